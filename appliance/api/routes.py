@@ -1,0 +1,152 @@
+"""The admin JSON API, `/api/v1`. Authenticated by session (with X-CSRF-Token on unsafe
+methods) or by an admin API token; schema at `/api/v1/schema` (OpenAPI)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any
+
+from litestar import Request, Router, delete, get, post
+from litestar.params import Parameter
+
+from appliance.auditing import audit
+from appliance.auth.accounts import Admin
+from appliance.auth.guards import password_current
+from appliance.auth.middleware import AuthInfo, client_address
+from appliance.auth.tokens import TokenInfo, create_token, list_tokens, revoke_token
+from appliance.config import describe
+from appliance.db.journal import SEVERITIES, AuditRecord, EventRecord, list_audit, list_events
+from appliance.errors import ApplianceError
+from appliance.runtime import Runtime
+from appliance.status import DaemonStatus, daemon_status
+
+AdminRequest = Request[Admin, AuthInfo, Any]
+PageNumber = Parameter(ge=1, default=1)
+PerPage = Parameter(ge=1, le=500, default=50)
+
+
+def _runtime(request: Request[Any, Any, Any]) -> Runtime:
+    runtime: Runtime = request.app.state.runtime
+    return runtime
+
+
+@dataclass(frozen=True)
+class Me:
+    username: str
+    auth: str
+    must_change_password: bool
+
+
+@dataclass(frozen=True)
+class AuditPage:
+    items: list[AuditRecord]
+    page: int
+    per_page: int
+    total: int
+    pages: int
+
+
+@dataclass(frozen=True)
+class EventPage:
+    items: list[EventRecord]
+    page: int
+    per_page: int
+    total: int
+    pages: int
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str
+    value: str
+    doc: str
+
+
+@dataclass(frozen=True)
+class TokenCreate:
+    name: str
+    expires_at: dt.datetime | None = None
+
+
+@dataclass(frozen=True)
+class TokenCreated:
+    token: str
+    info: TokenInfo
+
+
+@get("/status", summary="The daemon's own status")
+async def get_status(request: AdminRequest) -> DaemonStatus:
+    return await daemon_status(_runtime(request))
+
+
+@get("/me", summary="Who is calling")
+async def get_me(request: AdminRequest) -> Me:
+    return Me(request.user.username, request.auth.kind, request.user.must_change_password)
+
+
+@get("/audit", summary="Audit log, newest first")
+async def get_audit(
+    request: AdminRequest, actor: str = "", action: str = "", outcome: str = "",
+    page: int = PageNumber, per_page: int = PerPage,
+) -> AuditPage:
+    result = await _runtime(request).db.run(lambda s: list_audit(
+        s, actor=actor, action=action, outcome=outcome, page=page, per_page=per_page))
+    return AuditPage(result.items, result.page, result.per_page, result.total, result.pages)
+
+
+@get("/events", summary="Event log, newest first; severity means 'at least'")
+async def get_events(
+    request: AdminRequest, severity: str = "", source: str = "",
+    page: int = PageNumber, per_page: int = PerPage,
+) -> EventPage:
+    if severity and severity not in SEVERITIES:
+        raise ApplianceError("severity_invalid", f"unknown severity {severity!r}",
+                             "use one of " + ", ".join(SEVERITIES), status=400)
+    result = await _runtime(request).db.run(lambda s: list_events(
+        s, severity=severity, source=source, page=page, per_page=per_page))
+    return EventPage(result.items, result.page, result.per_page, result.total, result.pages)
+
+
+@get("/settings", summary="The configuration in force (no secrets)")
+async def get_settings(request: AdminRequest) -> list[Setting]:
+    return [Setting(*row) for row in describe(_runtime(request).config)]
+
+
+@get("/tokens", summary="Admin API tokens (never the secret part)")
+async def get_tokens(request: AdminRequest) -> list[TokenInfo]:
+    return await _runtime(request).db.run(list_tokens)
+
+
+@post("/tokens", summary="Create an admin API token; the token is returned only here")
+async def post_token(request: AdminRequest, data: TokenCreate) -> TokenCreated:
+    runtime = _runtime(request)
+    now = runtime.clock.now()
+    expires = data.expires_at
+    if expires is not None and expires.tzinfo is None:
+        expires = expires.replace(tzinfo=dt.UTC)
+    token, info = await runtime.db.run(
+        lambda s: create_token(s, runtime.secret, request.user, data.name, now, expires))
+    await audit(runtime, actor=request.user.username, address=client_address(request),
+                action="token.create", target=info.prefix,
+                detail={"name": info.name, "via": request.auth.kind})
+    return TokenCreated(token, info)
+
+
+@delete("/tokens/{prefix:str}", status_code=200, summary="Revoke an admin API token")
+async def delete_token(request: AdminRequest, prefix: str) -> TokenInfo:
+    runtime = _runtime(request)
+    info = await runtime.db.run(lambda s: revoke_token(s, prefix, runtime.clock.now()))
+    await audit(runtime, actor=request.user.username, address=client_address(request),
+                action="token.revoke", target=prefix, detail={"via": request.auth.kind})
+    return info
+
+
+def api_router() -> Router:
+    return Router(
+        path="/api/v1",
+        route_handlers=[get_status, get_me, get_audit, get_events, get_settings, get_tokens,
+                        post_token, delete_token],
+        guards=[password_current],
+        tags=["admin"],
+    )

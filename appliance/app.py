@@ -1,0 +1,178 @@
+"""`create_app(runtime)`: the only place Litestar is wired.
+
+Builds the admin console (HTML, htmx) and the admin JSON API (`/api/v1`) over one runtime.
+Errors are rendered here, by the delivery layer: problem+json for the API, a page or an htmx
+partial for the console.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from litestar import Litestar, Request, Response, get
+from litestar.config.csrf import CSRFConfig
+from litestar.contrib.jinja import JinjaTemplateEngine
+from litestar.exceptions import (
+    HTTPException,
+    NotAuthorizedException,
+    PermissionDeniedException,
+    ValidationException,
+)
+from litestar.middleware import DefineMiddleware
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import SwaggerRenderPlugin
+from litestar.response import Redirect, Template
+from litestar.static_files import create_static_files_router
+from litestar.template import TemplateConfig
+
+from appliance import __version__
+from appliance.api.routes import api_router
+from appliance.auth.middleware import CSRF_COOKIE, PUBLIC_PATHS, AdminAuthMiddleware
+from appliance.errors import ApplianceError
+from appliance.hostguard import HostGuard
+from appliance.housekeeping import schedule_housekeeping
+from appliance.resources import static_dir, templates_dir
+from appliance.runtime import Runtime
+from appliance.ui.pages import ui_handlers
+from appliance.ui.templating import configure_templates
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 1_000_000  # the console and admin API take small forms and JSON only
+
+
+def _is_api(request: Request[Any, Any, Any]) -> bool:
+    return request.url.path.startswith("/api/")
+
+
+def _problem(status: int, title: str, detail: str, code: str, hint: str = "") -> Response[Any]:
+    body = {"type": f"urn:appliance:error:{code}", "title": title, "status": status,
+            "detail": detail, "code": code}
+    if hint:
+        body["hint"] = hint
+    return Response(body, status_code=status, media_type="application/problem+json")
+
+
+def _error_page(request: Request[Any, Any, Any], status: int, message: str,
+                hint: str = "") -> Response[Any]:
+    template = "partials/error.html" if request.headers.get("hx-request") else "pages/error.html"
+    return Template(template, context={"status": status, "message": message, "hint": hint},
+                    status_code=status)
+
+
+def _on_appliance_error(request: Request[Any, Any, Any], exc: ApplianceError) -> Response[Any]:
+    if _is_api(request):
+        return _problem(exc.status, exc.code.replace("_", " "), exc.message, exc.code, exc.hint)
+    return _error_page(request, exc.status, exc.message, exc.hint)
+
+
+def _on_not_authorized(
+    request: Request[Any, Any, Any], exc: NotAuthorizedException
+) -> Response[Any]:
+    if _is_api(request):
+        response = _problem(401, "unauthorized", exc.detail, "unauthorized",
+                            "log in, or send `Authorization: Bearer <admin API token>`")
+        response.headers["WWW-Authenticate"] = 'Bearer realm="appliance"'
+        return response
+    target = "/login"
+    if request.method == "GET" and request.url.path not in ("/", "/logout"):
+        target = f"/login?next={request.url.path}"
+    if request.headers.get("hx-request"):
+        return Response("", status_code=401, headers={"HX-Redirect": target})
+    return Redirect(target, status_code=303)
+
+
+def _on_forbidden(
+    request: Request[Any, Any, Any], exc: PermissionDeniedException
+) -> Response[Any]:
+    hint = "reload the page and submit again" if "CSRF" in exc.detail else ""
+    if _is_api(request):
+        return _problem(403, "forbidden", exc.detail, "forbidden", hint)
+    return _error_page(request, 403, exc.detail, hint)
+
+
+def _on_http(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
+    detail = exc.detail
+    if isinstance(exc, ValidationException) and exc.extra:
+        detail = f"{detail}: {exc.extra}"
+    headers = dict(exc.headers or {})
+    if _is_api(request):
+        response = _problem(exc.status_code, "error", detail, f"http_{exc.status_code}")
+    else:
+        response = _error_page(request, exc.status_code, detail)
+    response.headers.update(headers)
+    return response
+
+
+def _on_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    message = "an internal error occurred; details are in the daemon's log"
+    if _is_api(request):
+        return _problem(500, "internal error", message, "internal",
+                        "check `journalctl -u appliance` and report the traceback")
+    return _error_page(request, 500, message, "check `journalctl -u appliance`")
+
+
+@get("/healthz", include_in_schema=False)
+async def healthz() -> dict[str, str]:
+    """Liveness of the control plane only (never the engine's health): no login needed."""
+    return {"status": "ok", "version": __version__}
+
+
+def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
+    config = runtime.config
+    csrf = CSRFConfig(
+        secret=runtime.secret.hex(),
+        cookie_name=CSRF_COOKIE,
+        cookie_secure=config.tls,
+        cookie_httponly=True,
+        cookie_samesite="strict",
+        header_name="X-CSRF-Token",
+        exclude=["/api/"],  # the API checks session callers itself; bearer callers need none
+    )
+    auth = DefineMiddleware(AdminAuthMiddleware, exclude=[f"^{p}" for p in PUBLIC_PATHS])
+    app = Litestar(
+        route_handlers=[
+            healthz,
+            *ui_handlers(),
+            api_router(),
+            create_static_files_router(path="/static", directories=[static_dir()],
+                                       include_in_schema=False),
+        ],
+        middleware=[DefineMiddleware(HostGuard, allowed=config.server.allowed_hosts), auth],
+        csrf_config=csrf,
+        template_config=TemplateConfig(
+            directory=templates_dir(), engine=JinjaTemplateEngine,
+            engine_callback=configure_templates,
+        ),
+        openapi_config=OpenAPIConfig(
+            title="appliance admin API", version=__version__, path="/api/v1/schema",
+            render_plugins=[SwaggerRenderPlugin()],
+        ),
+        exception_handlers={
+            ApplianceError: _on_appliance_error,
+            NotAuthorizedException: _on_not_authorized,
+            PermissionDeniedException: _on_forbidden,
+            HTTPException: _on_http,
+            Exception: _on_unexpected,
+        },
+        request_max_body_size=MAX_BODY_BYTES,
+        on_startup=[lambda: _start(runtime)],
+        on_shutdown=[lambda: _stop(runtime)],
+        debug=debug,
+    )
+    app.state.runtime = runtime
+    return app
+
+
+def _start(runtime: Runtime) -> None:
+    schedule_housekeeping(runtime)
+    if not runtime.scheduler.running:
+        runtime.scheduler.start()
+
+
+def _stop(runtime: Runtime) -> None:
+    if runtime.scheduler.running:
+        runtime.scheduler.shutdown(wait=False)
+

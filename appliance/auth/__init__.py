@@ -1,0 +1,1 @@
+"""Admin access: accounts, sessions, API tokens, login throttling, the bootstrap credential."""

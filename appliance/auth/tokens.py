@@ -1,0 +1,118 @@
+"""Admin API tokens: bearer credentials for scripts and automation.
+
+A token looks like `apt_<prefix>_<secret>`. The prefix (8 hex characters) is stored in the
+clear so an operator can tell tokens apart; the whole token is stored as an HMAC-SHA256 keyed
+with the server secret, so a copy of the database alone cannot be used to forge or test
+tokens. The full token is shown exactly once, when created.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import hmac
+import re
+import secrets
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from appliance.auth.accounts import Admin, get_admin
+from appliance.db.models import ApiToken
+from appliance.errors import ApplianceError
+
+TOKEN_RE = re.compile(r"^apt_([0-9a-f]{8})_([A-Za-z0-9_-]{43})$")
+NAME_RE = re.compile(r"^[\w .@-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    id: int
+    name: str
+    prefix: str
+    owner: str
+    created_at: dt.datetime
+    last_used_at: dt.datetime | None
+    expires_at: dt.datetime | None
+    revoked_at: dt.datetime | None
+
+    def active(self, now: dt.datetime) -> bool:
+        return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)
+
+
+def _mac(secret: bytes, token: str) -> str:
+    return hmac.new(secret, token.encode(), hashlib.sha256).hexdigest()
+
+
+def _info(row: ApiToken, owner: str) -> TokenInfo:
+    return TokenInfo(row.id, row.name, row.prefix, owner, row.created_at, row.last_used_at,
+                     row.expires_at, row.revoked_at)
+
+
+def create_token(
+    session: Session, secret: bytes, admin: Admin, name: str, now: dt.datetime,
+    expires_at: dt.datetime | None = None,
+) -> tuple[str, TokenInfo]:
+    """Create a token; returns (the token, shown once; its record)."""
+    if not NAME_RE.match(name):
+        raise ApplianceError(
+            "token_name_invalid", f"token name {name!r} is not allowed",
+            "use 1-64 letters, digits, spaces or . @ - _", status=422,
+        )
+    if expires_at is not None and expires_at <= now:
+        raise ApplianceError(
+            "token_expiry_past", f"the expiry {expires_at.isoformat()} is in the past",
+            "give a future date, or none for a token that does not expire", status=422,
+        )
+    prefix = secrets.token_hex(4)
+    while session.scalar(select(ApiToken.id).where(ApiToken.prefix == prefix)):
+        prefix = secrets.token_hex(4)
+    token = f"apt_{prefix}_{secrets.token_urlsafe(32)}"
+    row = ApiToken(name=name, prefix=prefix, token_hash=_mac(secret, token), user_id=admin.id,
+                   created_at=now, expires_at=expires_at)
+    session.add(row)
+    session.flush()
+    return token, _info(row, admin.username)
+
+
+def list_tokens(session: Session) -> list[TokenInfo]:
+    from appliance.db.models import AdminUser
+
+    rows = session.execute(
+        select(ApiToken, AdminUser.username).join(AdminUser, AdminUser.id == ApiToken.user_id)
+        .order_by(ApiToken.created_at.desc(), ApiToken.id.desc())
+    ).all()
+    return [_info(row, owner) for row, owner in rows]
+
+
+def revoke_token(session: Session, prefix: str, now: dt.datetime) -> TokenInfo:
+    row = session.scalar(select(ApiToken).where(ApiToken.prefix == prefix))
+    if row is None:
+        raise ApplianceError(
+            "token_unknown", f"there is no API token with prefix {prefix!r}",
+            "list tokens to see their prefixes", status=404,
+        )
+    if row.revoked_at is None:
+        row.revoked_at = now
+    admin = get_admin(session, row.user_id)
+    return _info(row, admin.username if admin else "?")
+
+
+def resolve_token(
+    session: Session, secret: bytes, token: str, now: dt.datetime
+) -> tuple[Admin, TokenInfo] | None:
+    """The admin a presented token acts for, or None (unknown, revoked, expired, malformed)."""
+    match = TOKEN_RE.match(token)
+    if match is None:
+        return None
+    row = session.scalar(select(ApiToken).where(ApiToken.prefix == match.group(1)))
+    if row is None or not hmac.compare_digest(row.token_hash, _mac(secret, token)):
+        return None
+    if row.revoked_at is not None or (row.expires_at is not None and row.expires_at <= now):
+        return None
+    admin = get_admin(session, row.user_id)
+    if admin is None:
+        return None
+    row.last_used_at = now
+    return admin, _info(row, admin.username)

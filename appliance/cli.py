@@ -1,0 +1,247 @@
+"""The `appliance` command: serve, migrate, admin accounts and admin API tokens.
+
+Configuration is loaded here, once, and passed down. Every failure a person can cause prints
+one message with its cause and the next step, and exits with a sysexits code (78 for
+configuration, so systemd does not restart into the same mistake).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import getpass
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from appliance import __version__
+from appliance.config import Config, load_config
+from appliance.errors import EX_USAGE, ApplianceError
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from appliance.db.database import Database
+
+Handler = Callable[[argparse.Namespace, Config], int]
+
+
+def _operator() -> str:
+    try:
+        return f"cli:{getpass.getuser()}"
+    except Exception:
+        return f"cli:uid{os.getuid()}"
+
+
+def cmd_serve(args: argparse.Namespace, config: Config) -> int:
+    from appliance.auth.bootstrap import ensure_first_admin
+    from appliance.db.schema import check_schema
+    from appliance.lock import InstanceLock
+    from appliance.runtime import build_runtime
+    from appliance.server import run_server
+
+    lock = InstanceLock(config.paths.state_dir)
+    lock.acquire()
+    try:
+        runtime = build_runtime(config)
+        check_schema(runtime.db, runtime.migrations)
+        now = runtime.clock.now()
+        created = runtime.db.call(lambda s: ensure_first_admin(s, config.paths.state_dir, now))
+        if created is not None:
+            # Printed once, to the terminal/journal: where the credential is, never what it is.
+            print(f"appliance: first start: the one-time admin login is in {created} "
+                  "(readable by this user only)", file=sys.stderr, flush=True)
+        asyncio.run(run_server(runtime))
+        runtime.db.dispose()
+    finally:
+        lock.release()
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace, config: Config) -> int:
+    from appliance.db.database import Database
+    from appliance.db.journal import add_audit, add_event
+    from appliance.db.schema import migrate
+    from appliance.resources import migrations_dir
+
+    db = Database(config.database_url)
+    now = dt.datetime.now(dt.UTC)
+    script = Path(args.migrations) if args.migrations else migrations_dir()
+    result = migrate(db, script, config.paths.state_dir / "backups", now)
+    if result.before == result.after:
+        print(f"appliance: database already at schema {result.after}; nothing to do")
+        return 0
+    message = f"database migrated from {result.before or 'empty'} to {result.after}"
+
+    def record(s: Session) -> None:
+        add_event(s, at=now, severity="info", source="database", message=message,
+                  detail={"backup": str(result.backup) if result.backup else None})
+        add_audit(s, at=now, actor=_operator(), action="db.migrate", target=result.after,
+                  detail={"from": result.before})
+
+    db.call(record)
+    print(f"appliance: {message}")
+    if result.backup:
+        print(f"appliance: the previous database was copied to {result.backup}")
+    db.dispose()
+    return 0
+
+
+def _read_password(args: argparse.Namespace) -> str:
+    if args.password_stdin:
+        return sys.stdin.readline().rstrip("\n")
+    if not sys.stdin.isatty():
+        raise ApplianceError("no_terminal", "no terminal to ask for the password",
+                             "pass --password-stdin and pipe the password in", exit_code=EX_USAGE)
+    first = getpass.getpass("New password: ")
+    if getpass.getpass("Repeat it: ") != first:
+        raise ApplianceError("password_mismatch", "the two passwords differ",
+                             "run the command again", exit_code=EX_USAGE)
+    return first
+
+
+def _database(config: Config) -> Database:
+    from appliance.db.database import Database
+    from appliance.db.schema import check_schema
+    from appliance.resources import migrations_dir
+
+    db = Database(config.database_url)
+    check_schema(db, migrations_dir())
+    return db
+
+
+def cmd_admin(args: argparse.Namespace, config: Config) -> int:
+    from appliance.auth.accounts import create_admin, list_admins, set_password
+    from appliance.auth.bootstrap import BOOTSTRAP_USER, retire_bootstrap_file
+    from appliance.db.journal import add_audit
+
+    db = _database(config)
+    now = dt.datetime.now(dt.UTC)
+    if args.admin_command == "list":
+        for admin in db.call(list_admins):
+            flag = "  (must change password)" if admin.must_change_password else ""
+            print(f"{admin.username}\tcreated {admin.created_at:%Y-%m-%d %H:%M}Z{flag}")
+        return 0
+    username = args.username.strip().lower()
+    password = _read_password(args)
+    action = "admin.create" if args.admin_command == "create" else "admin.reset_password"
+
+    def apply(s: Session) -> None:
+        if args.admin_command == "create":
+            create_admin(s, username, password, now)
+        else:
+            set_password(s, username, password, now)
+        add_audit(s, at=now, actor=_operator(), action=action, target=username)
+
+    db.call(apply)
+    if args.admin_command == "create":
+        print(f"appliance: admin {username!r} created")
+    else:
+        if username == BOOTSTRAP_USER:
+            retire_bootstrap_file(config.paths.state_dir)
+        print(f"appliance: password of {username!r} replaced; their sessions were ended")
+    return 0
+
+
+def cmd_token(args: argparse.Namespace, config: Config) -> int:
+    from appliance.auth.accounts import list_admins
+    from appliance.auth.tokens import create_token, list_tokens, revoke_token
+    from appliance.db.journal import add_audit
+    from appliance.secrets import server_secret
+
+    db = _database(config)
+    now = dt.datetime.now(dt.UTC)
+    if args.token_command == "list":
+        for info in db.call(list_tokens):
+            state = "revoked" if info.revoked_at else (
+                "expired" if not info.active(now) else "active")
+            print(f"{info.prefix}\t{info.name}\towner {info.owner}\t{state}")
+        return 0
+    if args.token_command == "revoke":
+
+        def revoke(s: Session) -> None:
+            revoke_token(s, args.prefix, now)
+            add_audit(s, at=now, actor=_operator(), action="token.revoke", target=args.prefix)
+
+        db.call(revoke)
+        print(f"appliance: token {args.prefix} revoked")
+        return 0
+    secret = server_secret(config.paths.state_dir)
+    expires = now + dt.timedelta(days=args.expires_days) if args.expires_days else None
+
+    def create(s: Session) -> str:
+        owners = {a.username: a for a in list_admins(s)}
+        if args.owner not in owners:
+            raise ApplianceError("admin_unknown", f"there is no admin named {args.owner!r}",
+                                 "tokens act for an admin; see `appliance admin list`",
+                                 exit_code=EX_USAGE)
+        token, info = create_token(s, secret, owners[args.owner], args.name, now, expires)
+        add_audit(s, at=now, actor=_operator(), action="token.create", target=info.prefix,
+                  detail={"name": info.name, "owner": args.owner})
+        return token
+
+    token = db.call(create)
+    print(token)
+    print("appliance: this token is shown once; store it now", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", type=Path, default=argparse.SUPPRESS,
+                        help="configuration file (default /etc/appliance/appliance.toml)")
+    common.add_argument("--dev", action="store_true", default=argparse.SUPPRESS,
+                        help="development profile: everything under ./.appliance/")
+    parser = argparse.ArgumentParser(prog="appliance", parents=[common],
+                                     description="The Kimi K3 appliance daemon and tools.")
+    parser.add_argument("--version", action="version", version=f"appliance {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("serve", parents=[common], help="run the control plane (admin UI and API)")
+    migrate = sub.add_parser("migrate", parents=[common],
+                             help="upgrade the database schema (backs SQLite up first)")
+    migrate.add_argument("--migrations", help=argparse.SUPPRESS)  # tests: another script dir
+
+    admin = sub.add_parser("admin", parents=[common], help="manage admin accounts")
+    admin_sub = admin.add_subparsers(dest="admin_command", required=True)
+    for name in ("create", "reset-password"):
+        cmd = admin_sub.add_parser(name, parents=[common])
+        cmd.add_argument("--username", required=True)
+        cmd.add_argument("--password-stdin", action="store_true",
+                         help="read the password from the first line of standard input")
+    admin_sub.add_parser("list", parents=[common])
+
+    token = sub.add_parser("token", parents=[common], help="manage admin API tokens")
+    token_sub = token.add_subparsers(dest="token_command", required=True)
+    create = token_sub.add_parser("create", parents=[common])
+    create.add_argument("--name", required=True)
+    create.add_argument("--owner", default="admin", help="the admin the token acts for")
+    create.add_argument("--expires-days", type=int, default=0)
+    token_sub.add_parser("list", parents=[common])
+    revoke = token_sub.add_parser("revoke", parents=[common])
+    revoke.add_argument("prefix")
+    return parser
+
+
+HANDLERS: dict[str, Handler] = {
+    "serve": cmd_serve, "migrate": cmd_migrate, "admin": cmd_admin, "token": cmd_token,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config(getattr(args, "config", None), dev=getattr(args, "dev", False))
+        logging.basicConfig(level=config.logging.level.upper(),
+                            format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
+        return HANDLERS[args.command](args, config)
+    except ApplianceError as exc:
+        print(f"appliance: {exc.as_text()}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130

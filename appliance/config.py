@@ -1,0 +1,314 @@
+"""The daemon's configuration: one TOML file plus `APPLIANCE_<SECTION>_<KEY>` overrides.
+
+Loaded once in `main()` into frozen values and passed down; nothing reads the file or the
+environment anywhere else. Every problem is a `ConfigError` naming the file (or variable), the
+key, what was found and what was expected, so the daemon can exit 78 with one clear line.
+
+The schema is the dataclasses below: a section is a dataclass, a key is a field, and the
+field's type plus its `check` metadata say what is allowed. docs/configuration.md documents
+the same keys; `tests/test_config.py` keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import tomllib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from appliance.errors import ConfigError
+
+DEFAULT_CONFIG_PATH = Path("/etc/appliance/appliance.toml")
+DEV_ROOT = Path(".appliance")
+ENV_PREFIX = "APPLIANCE_"
+
+Check = Callable[[Any], str | None]
+
+
+def _port(value: int) -> str | None:
+    return None if 1 <= value <= 65535 else "an integer from 1 to 65535"
+
+
+def _positive(value: int) -> str | None:
+    return None if value > 0 else "a positive integer"
+
+
+def _absolute(value: Path) -> str | None:
+    return None if value.is_absolute() else "an absolute path"
+
+
+def _level(value: str) -> str | None:
+    levels = ("DEBUG", "INFO", "WARNING", "ERROR")
+    return None if value.upper() in levels else "one of " + ", ".join(levels)
+
+
+def _db_url(value: str) -> str | None:
+    ok = value == "" or value.startswith(("sqlite:", "postgresql:", "postgresql+psycopg:"))
+    return None if ok else "empty (SQLite in the state dir) or a sqlite:/postgresql: URL"
+
+
+def _key(default: Any, check: Check | None = None, doc: str = "") -> Any:
+    if isinstance(default, list):
+        return dataclasses.field(
+            default_factory=lambda: list(default), metadata={"check": check, "doc": doc}
+        )
+    return dataclasses.field(default=default, metadata={"check": check, "doc": doc})
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Where the admin console and API listen."""
+
+    host: str = _key("127.0.0.1", doc="address the control plane binds")
+    port: int = _key(8080, _port, "TCP port of the admin console and API")
+    allowed_hosts: list[str] = _key(
+        ["127.0.0.1", "localhost", "::1"], doc="Host header values accepted (DNS-rebinding guard)"
+    )
+    tls_cert: Path | None = _key(None, _absolute, "PEM certificate; enables HTTPS")
+    tls_key: Path | None = _key(None, _absolute, "PEM private key for tls_cert")
+
+
+@dataclasses.dataclass(frozen=True)
+class PathsConfig:
+    """Directories the appliance owns."""
+
+    state_dir: Path = _key(
+        Path("/var/lib/appliance"), _absolute, "database, launch specs, secrets"
+    )
+    models_dir: Path = _key(Path("/var/lib/appliance/models"), _absolute, "model weights")
+    log_dir: Path = _key(Path("/var/log/appliance"), _absolute, "engine and daemon logs")
+
+
+@dataclasses.dataclass(frozen=True)
+class DatabaseConfig:
+    """The one database both planes share."""
+
+    url: str = _key("", _db_url, "empty for SQLite in state_dir, or a PostgreSQL URL")
+
+
+@dataclasses.dataclass(frozen=True)
+class AuthConfig:
+    """Admin sessions and login throttling."""
+
+    session_idle_minutes: int = _key(60, _positive, "a session ends after this much idleness")
+    session_max_hours: int = _key(12, _positive, "a session ends this long after login")
+    login_max_failures: int = _key(5, _positive, "failures per user+address before 429")
+    login_window_seconds: int = _key(60, _positive, "window in which failures are counted")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """Daemon logging."""
+
+    level: str = _key("INFO", _level, "DEBUG, INFO, WARNING or ERROR")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The whole configuration; `source` says where it came from, for messages."""
+
+    server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
+    paths: PathsConfig = dataclasses.field(default_factory=PathsConfig)
+    database: DatabaseConfig = dataclasses.field(default_factory=DatabaseConfig)
+    auth: AuthConfig = dataclasses.field(default_factory=AuthConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    source: str = "built-in defaults"
+    dev: bool = False
+
+    @property
+    def database_url(self) -> str:
+        return self.database.url or f"sqlite:///{self.paths.state_dir / 'appliance.db'}"
+
+    @property
+    def tls(self) -> bool:
+        return self.server.tls_cert is not None
+
+
+SECTIONS: dict[str, type[Any]] = {
+    "server": ServerConfig,
+    "paths": PathsConfig,
+    "database": DatabaseConfig,
+    "auth": AuthConfig,
+    "logging": LoggingConfig,
+}
+
+
+def dev_paths(root: Path) -> dict[str, Path]:
+    """The `--dev` profile: everything under one folder (default `./.appliance/`)."""
+    root = root.absolute()
+    return {"state_dir": root / "state", "models_dir": root / "models", "log_dir": root / "log"}
+
+
+def load_config(
+    path: Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    dev: bool = False,
+    dev_root: Path = DEV_ROOT,
+    check_dirs: bool = True,
+) -> Config:
+    """Read, merge and validate the configuration. Raises `ConfigError` on the first problem.
+
+    Order (later wins): built-in defaults, the `--dev` profile, the TOML file, environment.
+    A missing file is an error only when the path was given explicitly or is the production
+    default outside `--dev`.
+    """
+    env = os.environ if env is None else env
+    file_path = path if path is not None else (None if dev else DEFAULT_CONFIG_PATH)
+    raw: dict[str, Any] = {}
+    source = "built-in defaults"
+    if file_path is not None:
+        source = str(file_path)
+        raw = _read_toml(file_path)
+
+    values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    if dev:
+        values["paths"].update(dev_paths(dev_root))
+    for section, body in raw.items():
+        if section not in SECTIONS:
+            raise ConfigError(
+                source, section, f"unknown section [{section}]", "one of " + ", ".join(SECTIONS)
+            )
+        if not isinstance(body, dict):
+            raise ConfigError(source, section, type(body).__name__, f"a [{section}] table")
+        for key, value in body.items():
+            values[section][key] = _convert(source, section, key, value, from_env=False)
+    for var, value in env.items():
+        if not var.startswith(ENV_PREFIX):
+            continue
+        section, key = _env_target(var)
+        values[section][key] = _convert(var, section, key, value, from_env=True)
+
+    sections = {name: SECTIONS[name](**values[name]) for name in SECTIONS}
+    config = Config(**sections, source=source, dev=dev)
+    _cross_check(config)
+    if check_dirs:
+        ensure_writable_dirs(config)
+    return config
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(
+            str(path), "", "no such file", "a TOML file (the installer writes one; or --dev)"
+        ) from None
+    except PermissionError:
+        raise ConfigError(
+            str(path), "", "a file this user may not read", "a readable file"
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(str(path), "", f"invalid TOML ({exc})", "valid TOML syntax") from None
+    except UnicodeDecodeError:
+        raise ConfigError(str(path), "", "bytes that are not UTF-8", "UTF-8 text") from None
+
+
+def _env_target(var: str) -> tuple[str, str]:
+    rest = var[len(ENV_PREFIX) :].lower()
+    for section in SECTIONS:
+        if rest.startswith(section + "_"):
+            key = rest[len(section) + 1 :]
+            if key in _fields(section):
+                return section, key
+    known = ", ".join(
+        f"{ENV_PREFIX}{s.upper()}_{k.upper()}" for s in SECTIONS for k in _fields(s)
+    )
+    raise ConfigError(var, "", "an unknown setting", f"one of {known}")
+
+
+def _fields(section: str) -> dict[str, dataclasses.Field[Any]]:
+    return {f.name: f for f in dataclasses.fields(SECTIONS[section])}
+
+
+def _convert(source: str, section: str, key: str, value: Any, *, from_env: bool) -> Any:
+    fields = _fields(section)
+    dotted = f"{section}.{key}"
+    if key not in fields:
+        raise ConfigError(source, dotted, "an unknown key", "one of " + ", ".join(fields))
+    hint = get_type_hints(SECTIONS[section])[key]
+    converted = _coerce(source, dotted, hint, value, from_env)
+    check: Check | None = fields[key].metadata.get("check")
+    if check is not None and converted is not None:
+        problem = check(converted)
+        if problem is not None:
+            raise ConfigError(source, dotted, repr(value), problem)
+    return converted
+
+
+def _coerce(source: str, dotted: str, hint: Any, value: Any, from_env: bool) -> Any:
+    def wrong(expected: str) -> ConfigError:
+        return ConfigError(source, dotted, f"{value!r} ({type(value).__name__})", expected)
+
+    if hint is int:
+        if from_env and isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                raise wrong("an integer") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise wrong("an integer")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise wrong("a string")
+        return value
+    if hint == list[str]:
+        if from_env and isinstance(value, str):
+            return [item.strip() for item in value.split(",") if item.strip()]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise wrong("a list of strings")
+        return list(value)
+    if hint in (Path, Path | None):
+        if not isinstance(value, str):
+            raise wrong("a path string")
+        if value == "" and hint != Path:
+            return None
+        return Path(value)
+    raise AssertionError(f"config type {hint!r} for {dotted} has no coercion")  # a schema bug
+
+
+def _cross_check(config: Config) -> None:
+    server = config.server
+    if (server.tls_cert is None) != (server.tls_key is None):
+        raise ConfigError(
+            config.source,
+            "server.tls_cert/server.tls_key",
+            "only one of the two set",
+            "both set (HTTPS) or neither (HTTP)",
+        )
+    for key, path in (("server.tls_cert", server.tls_cert), ("server.tls_key", server.tls_key)):
+        if path is not None and not path.is_file():
+            raise ConfigError(config.source, key, f"{path} (missing)", "a readable PEM file")
+
+
+def ensure_writable_dirs(config: Config) -> None:
+    """Create the state and log directories if needed and prove they are writable."""
+    for key, path in (("paths.state_dir", config.paths.state_dir),
+                      ("paths.log_dir", config.paths.log_dir)):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+                pass
+        except OSError as exc:
+            raise ConfigError(
+                config.source, key, f"{path} ({exc.strerror or exc})",
+                "a directory the daemon's user can create and write",
+            ) from None
+
+
+def describe(config: Config) -> list[tuple[str, str, str]]:
+    """(key, value, doc) rows for the Settings page and `/api/v1/settings`; no secrets here."""
+    rows = []
+    for name in SECTIONS:
+        section = getattr(config, name)
+        for field in dataclasses.fields(section):
+            value = getattr(section, field.name)
+            shown = ", ".join(value) if isinstance(value, list) else ("" if value is None
+                                                                      else str(value))
+            rows.append((f"{name}.{field.name}", shown, field.metadata.get("doc", "")))
+    return rows

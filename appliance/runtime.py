@@ -1,0 +1,86 @@
+"""The composition root: the only place concrete adapters are chosen.
+
+`build_runtime(config, **overrides)` returns every long-lived object the daemon needs. Tests and
+the demo swap adapters by passing them here (a fake clock, another database), never by
+patching import paths. Building a runtime opens nothing expensive; `serve` starts what runs.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
+from appliance import __version__
+from appliance.auth.sessions import SessionPolicy
+from appliance.auth.throttle import LoginThrottle
+from appliance.clock import Clock, SystemClock
+from appliance.config import Config
+from appliance.db.database import Database
+from appliance.resources import migrations_dir
+from appliance.secrets import server_secret
+
+
+@dataclass
+class Runtime:
+    config: Config
+    clock: Clock
+    db: Database
+    throttle: LoginThrottle
+    secret: bytes
+    scheduler: AsyncIOScheduler
+    migrations: Path
+    version: str = __version__
+    started_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
+    started_monotonic: float = 0.0
+
+    @property
+    def session_policy(self) -> SessionPolicy:
+        auth = self.config.auth
+        return SessionPolicy(
+            idle=dt.timedelta(minutes=auth.session_idle_minutes),
+            absolute=dt.timedelta(hours=auth.session_max_hours),
+        )
+
+    @property
+    def state_dir(self) -> Path:
+        return self.config.paths.state_dir
+
+
+def new_scheduler() -> AsyncIOScheduler:
+    """APScheduler with defaults that survive restarts and slow ticks.
+
+    One instance per job, missed runs coalesced into one, and a generous grace time so a busy
+    loop or a clock step does not silently skip a job (APScheduler's default grace is 1 s).
+    """
+    return AsyncIOScheduler(
+        job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 300},
+        timezone=dt.UTC,
+    )
+
+
+def build_runtime(
+    config: Config,
+    *,
+    clock: Clock | None = None,
+    db: Database | None = None,
+    migrations: Path | None = None,
+) -> Runtime:
+    clock = clock or SystemClock()
+    return Runtime(
+        config=config,
+        clock=clock,
+        db=db or Database(config.database_url),
+        throttle=LoginThrottle(
+            clock,
+            max_failures=config.auth.login_max_failures,
+            window=float(config.auth.login_window_seconds),
+        ),
+        secret=server_secret(config.paths.state_dir),
+        scheduler=new_scheduler(),
+        migrations=migrations or migrations_dir(),
+        started_at=clock.now(),
+        started_monotonic=clock.monotonic(),
+    )

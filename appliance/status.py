@@ -1,0 +1,74 @@
+"""What the dashboard and `/api/v1/status` say about the daemon itself.
+
+Gathered off the event loop (disk usage and database calls can block on a busy disk).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio.to_thread
+import psutil
+
+from appliance.auth.bootstrap import bootstrap_file
+from appliance.db.schema import schema_state
+from appliance.runtime import Runtime
+
+
+@dataclass(frozen=True)
+class VolumeUsage:
+    name: str
+    path: str
+    total_bytes: int
+    free_bytes: int
+
+    @property
+    def used_percent(self) -> float:
+        return 100.0 * (1 - self.free_bytes / self.total_bytes) if self.total_bytes else 0.0
+
+
+@dataclass(frozen=True)
+class DaemonStatus:
+    version: str
+    started_at: dt.datetime
+    uptime_seconds: int
+    database: str
+    schema_revision: str | None
+    schema_head: str
+    bootstrap_pending: bool
+    volumes: list[VolumeUsage]
+    scheduler_jobs: list[str]
+    rss_bytes: int
+
+
+def _volume(name: str, path: Path) -> VolumeUsage:
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    usage = psutil.disk_usage(str(probe))
+    return VolumeUsage(name, str(path), usage.total, usage.free)
+
+
+def _gather(runtime: Runtime) -> DaemonStatus:
+    paths = runtime.config.paths
+    state = schema_state(runtime.db, runtime.migrations)
+    database = "SQLite" if runtime.db.is_sqlite else "PostgreSQL"
+    return DaemonStatus(
+        version=runtime.version,
+        started_at=runtime.started_at,
+        uptime_seconds=int(runtime.clock.monotonic() - runtime.started_monotonic),
+        database=database,
+        schema_revision=state.current,
+        schema_head=state.head,
+        bootstrap_pending=bootstrap_file(paths.state_dir).exists(),
+        volumes=[_volume("state", paths.state_dir), _volume("models", paths.models_dir),
+                 _volume("logs", paths.log_dir)],
+        scheduler_jobs=[job.id for job in runtime.scheduler.get_jobs()],
+        rss_bytes=psutil.Process().memory_info().rss,
+    )
+
+
+async def daemon_status(runtime: Runtime) -> DaemonStatus:
+    return await anyio.to_thread.run_sync(_gather, runtime)

@@ -1,0 +1,1 @@
+"""The admin console: thin HTML controllers over the runtime; templates live in web/."""

@@ -1,0 +1,161 @@
+"""Login, logout and password change for the console.
+
+Login is throttled per username+address (429 with Retry-After after too many failures), every
+outcome is audited, and a successful login replaces any session cookie the browser had. The
+bootstrap admin (and anyone whose password was reset) is sent to change it before anything
+else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from litestar import Request, Response, get, post
+from litestar.datastructures import Cookie
+from litestar.enums import RequestEncodingType
+from litestar.params import Body
+from litestar.response import Redirect, Template
+
+from appliance.auditing import audit
+from appliance.auth.accounts import Admin, authenticate, check_password, set_password
+from appliance.auth.bootstrap import retire_bootstrap_file
+from appliance.auth.middleware import AuthInfo, client_address
+from appliance.auth.sessions import COOKIE_NAME, close_session, open_session
+from appliance.errors import ApplianceError
+from appliance.runtime import Runtime
+
+Form = Body(media_type=RequestEncodingType.URL_ENCODED)
+AdminRequest = Request[Admin, AuthInfo, Any]
+
+
+@dataclass
+class LoginForm:
+    username: str = ""
+    password: str = ""
+    next: str = "/"
+
+
+@dataclass
+class PasswordForm:
+    current_password: str = ""
+    new_password: str = ""
+    confirm_password: str = ""
+
+
+def runtime_of(request: Request[Any, Any, Any]) -> Runtime:
+    runtime: Runtime = request.app.state.runtime
+    return runtime
+
+
+def _safe_next(target: str) -> str:
+    # Only local paths: an open redirect would let a phishing link bounce through the console.
+    if target.startswith("/") and not target.startswith("//") and "\\" not in target:
+        return target
+    return "/"
+
+
+def session_cookie(runtime: Runtime, value: str, *, max_age: int | None = None) -> Cookie:
+    return Cookie(
+        key=COOKIE_NAME, value=value, path="/", httponly=True, samesite="strict",
+        secure=runtime.config.tls,
+        max_age=max_age if max_age is not None else runtime.config.auth.session_max_hours * 3600,
+    )
+
+
+@get("/login", include_in_schema=False)
+async def login_page(next: str = "/") -> Template:
+    return Template("pages/login.html", context={"next": _safe_next(next), "error": ""})
+
+
+@post("/login", include_in_schema=False)
+async def login(
+    request: Request[Any, Any, Any], data: Annotated[LoginForm, Form]
+) -> Response[Any]:
+    runtime = runtime_of(request)
+    address = client_address(request)
+    username = data.username.strip().lower()
+    target = _safe_next(data.next)
+    wait = runtime.throttle.retry_after(username, address)
+    if wait:
+        await audit(runtime, actor=username or "anonymous", address=address,
+                    action="auth.login", outcome="denied", target=username,
+                    detail={"reason": "throttled", "retry_after": wait})
+        return Template(
+            "pages/login.html", status_code=429, headers={"Retry-After": str(wait)},
+            context={"next": target, "error": f"Too many failed logins. Try again in {wait} s."},
+        )
+    admin = await runtime.db.run(lambda s: authenticate(s, username, data.password))
+    if admin is None:
+        runtime.throttle.failed(username, address)
+        await audit(runtime, actor=username or "anonymous", address=address,
+                    action="auth.login", outcome="failed", target=username,
+                    detail={"reason": "wrong username or password"})
+        return Template("pages/login.html", status_code=401,
+                        context={"next": target, "error": "Wrong username or password."})
+    runtime.throttle.succeeded(username, address)
+    now = runtime.clock.now()
+    token = await runtime.db.run(lambda s: open_session(
+        s, admin, now, runtime.session_policy, address=address,
+        user_agent=request.headers.get("user-agent", ""),
+    ))
+    await audit(runtime, actor=admin.username, address=address, action="auth.login")
+    destination = "/account/password" if admin.must_change_password else target
+    return Redirect(destination, status_code=303, cookies=[session_cookie(runtime, token)])
+
+
+@post("/logout", include_in_schema=False)
+async def logout(request: AdminRequest) -> Response[Any]:
+    runtime = runtime_of(request)
+    if request.auth.session_token:
+        await runtime.db.run(lambda s: close_session(s, request.auth.session_token))
+    await audit(runtime, actor=request.user.username, address=client_address(request),
+                action="auth.logout")
+    return Redirect("/login", status_code=303, cookies=[session_cookie(runtime, "", max_age=0)])
+
+
+@get("/account/password", include_in_schema=False)
+async def password_page(request: AdminRequest) -> Template:
+    return Template("pages/password.html", context={"error": "", "forced":
+                                                      request.user.must_change_password})
+
+
+@post("/account/password", include_in_schema=False)
+async def change_password(
+    request: AdminRequest, data: Annotated[PasswordForm, Form]
+) -> Response[Any]:
+    runtime = runtime_of(request)
+    admin = request.user
+    address = client_address(request)
+
+    def fail(message: str) -> Template:
+        return Template("pages/password.html", status_code=422,
+                        context={"error": message, "forced": admin.must_change_password})
+
+    if data.new_password != data.confirm_password:
+        return fail("The new password and its confirmation differ.")
+    try:
+        check_password(data.new_password)
+    except ApplianceError as exc:
+        return fail(f"{exc.message}; {exc.hint}.")
+    if data.new_password == data.current_password:
+        return fail("Choose a password different from the current one.")
+    checked = await runtime.db.run(
+        lambda s: authenticate(s, admin.username, data.current_password))
+    if checked is None:
+        await audit(runtime, actor=admin.username, address=address,
+                    action="auth.password_change", outcome="failed",
+                    detail={"reason": "current password wrong"})
+        return fail("The current password is wrong.")
+    now = runtime.clock.now()
+
+    def apply(s: Any) -> str:
+        updated = set_password(s, admin.username, data.new_password, now)  # ends all sessions
+        return open_session(s, updated, now, runtime.session_policy, address=address,
+                            user_agent=request.headers.get("user-agent", ""))
+
+    token = await runtime.db.run(apply)
+    retired = retire_bootstrap_file(runtime.state_dir)
+    await audit(runtime, actor=admin.username, address=address, action="auth.password_change",
+                target=admin.username, detail={"bootstrap_file_removed": retired})
+    return Redirect("/", status_code=303, cookies=[session_cookie(runtime, token)])

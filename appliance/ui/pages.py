@@ -1,0 +1,168 @@
+"""Console pages: dashboard, audit, events, settings (with admin API tokens).
+
+Each page has a full template under `pages/` and each htmx swap target its own partial under
+`partials/`; a request with `HX-Request` gets the partial only.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from litestar import Request, get, post
+from litestar.enums import RequestEncodingType
+from litestar.handlers import BaseRouteHandler
+from litestar.params import Body
+from litestar.response import Redirect, Template
+
+from appliance.auditing import audit
+from appliance.auth.guards import PasswordChangeRequired, password_current
+from appliance.auth.middleware import client_address
+from appliance.auth.tokens import create_token, list_tokens, revoke_token
+from appliance.config import describe
+from appliance.db.journal import SEVERITIES, list_audit, list_events
+from appliance.errors import ApplianceError
+from appliance.status import daemon_status
+from appliance.ui.login import (
+    AdminRequest,
+    change_password,
+    login,
+    login_page,
+    logout,
+    password_page,
+    runtime_of,
+)
+
+PER_PAGE = 50
+
+
+def _to_password_page(request: Request[Any, Any, Any], _: PasswordChangeRequired) -> Any:
+    if request.headers.get("hx-request"):
+        return Template("partials/error.html", status_code=403, headers={
+            "HX-Redirect": "/account/password"},
+            context={"status": 403, "message": "change your password first", "hint": ""})
+    return Redirect("/account/password", status_code=303)
+
+
+GUARDED: dict[str, Any] = {
+    "guards": [password_current],
+    "exception_handlers": {PasswordChangeRequired: _to_password_page},
+    "include_in_schema": False,
+}
+
+
+def _htmx(request: Request[Any, Any, Any]) -> bool:
+    return bool(request.headers.get("hx-request"))
+
+
+@get("/", **GUARDED)
+async def dashboard(request: AdminRequest) -> Template:
+    runtime = runtime_of(request)
+    status = await daemon_status(runtime)
+    events = await runtime.db.run(lambda s: list_events(s, per_page=8))
+    name = "partials/dashboard_status.html" if _htmx(request) else "pages/dashboard.html"
+    return Template(name, context={"status": status, "events": events.items, "nav": "dashboard"})
+
+
+@get("/audit", **GUARDED)
+async def audit_page(
+    request: AdminRequest, actor: str = "", action: str = "", outcome: str = "", page: int = 1
+) -> Template:
+    runtime = runtime_of(request)
+    page = max(1, page)
+    entries = await runtime.db.run(lambda s: list_audit(
+        s, actor=actor, action=action, outcome=outcome, page=page, per_page=PER_PAGE))
+    name = "partials/audit_rows.html" if _htmx(request) else "pages/audit.html"
+    return Template(name, context={
+        "entries": entries, "nav": "audit",
+        "filters": {"actor": actor, "action": action, "outcome": outcome},
+    })
+
+
+@get("/events", **GUARDED)
+async def events_page(
+    request: AdminRequest, severity: str = "", source: str = "", page: int = 1
+) -> Template:
+    runtime = runtime_of(request)
+    if severity and severity not in SEVERITIES:
+        raise ApplianceError("severity_invalid", f"unknown severity {severity!r}",
+                             "use one of " + ", ".join(SEVERITIES), status=400)
+    page = max(1, page)
+    events = await runtime.db.run(lambda s: list_events(
+        s, severity=severity, source=source, page=page, per_page=PER_PAGE))
+    name = "partials/event_rows.html" if _htmx(request) else "pages/events.html"
+    return Template(name, context={
+        "events": events, "nav": "events", "severities": SEVERITIES,
+        "filters": {"severity": severity, "source": source},
+    })
+
+
+@get("/settings", **GUARDED)
+async def settings_page(request: AdminRequest) -> Template:
+    runtime = runtime_of(request)
+    tokens = await runtime.db.run(list_tokens)
+    return Template("pages/settings.html", context={
+        "rows": describe(runtime.config), "source": runtime.config.source,
+        "tokens": tokens, "now": runtime.clock.now(), "nav": "settings", "created": None,
+    })
+
+
+@dataclass
+class TokenForm:
+    name: str = ""
+    expires_days: str = ""
+
+
+@post("/settings/tokens", **GUARDED)
+async def create_token_ui(
+    request: AdminRequest,
+    data: Annotated[TokenForm, Body(media_type=RequestEncodingType.URL_ENCODED)],
+) -> Template:
+    runtime = runtime_of(request)
+    now = runtime.clock.now()
+    error = ""
+    created = None
+    expires = None
+    try:
+        if data.expires_days.strip():
+            days = int(data.expires_days)
+            if days <= 0:
+                raise ValueError
+            expires = now + dt.timedelta(days=days)
+        name = data.name.strip()
+        created = await runtime.db.run(
+            lambda s: create_token(s, runtime.secret, request.user, name, now, expires))
+    except ValueError:
+        error = "Expiry must be a whole number of days, or empty for none."
+    except ApplianceError as exc:
+        error = f"{exc.message}; {exc.hint}."
+    if created is not None:
+        await audit(runtime, actor=request.user.username, address=client_address(request),
+                    action="token.create", target=created[1].prefix,
+                    detail={"name": created[1].name, "expires_at": expires.isoformat()
+                            if expires else None})
+    tokens = await runtime.db.run(list_tokens)
+    return Template("partials/tokens.html", status_code=422 if error else 200, context={
+        "tokens": tokens, "now": now, "error": error,
+        "created": created[0] if created else None,
+    })
+
+
+@post("/settings/tokens/{prefix:str}/revoke", **GUARDED)
+async def revoke_token_ui(request: AdminRequest, prefix: str) -> Template:
+    runtime = runtime_of(request)
+    now = runtime.clock.now()
+    info = await runtime.db.run(lambda s: revoke_token(s, prefix, now))
+    await audit(runtime, actor=request.user.username, address=client_address(request),
+                action="token.revoke", target=prefix, detail={"name": info.name})
+    tokens = await runtime.db.run(list_tokens)
+    return Template("partials/tokens.html", context={
+        "tokens": tokens, "now": now, "error": "", "created": None})
+
+
+def ui_handlers() -> list[BaseRouteHandler]:
+    guarded: list[BaseRouteHandler] = [
+        dashboard, audit_page, events_page, settings_page, create_token_ui, revoke_token_ui,
+    ]
+    return [login_page, login, logout, password_page, change_password, *guarded]
