@@ -12,7 +12,6 @@ from typing import Any
 
 from litestar import Litestar, Request, Response, get
 from litestar.config.csrf import CSRFConfig
-from litestar.contrib.jinja import JinjaTemplateEngine
 from litestar.exceptions import (
     HTTPException,
     NotAuthorizedException,
@@ -22,6 +21,7 @@ from litestar.exceptions import (
 from litestar.middleware import DefineMiddleware
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
+from litestar.plugins.jinja import JinjaTemplateEngine
 from litestar.response import Redirect, Template
 from litestar.static_files import create_static_files_router
 from litestar.template import TemplateConfig

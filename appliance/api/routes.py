@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from litestar import Request, Router, delete, get, post
-from litestar.params import Parameter
+from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 
 from appliance.auditing import audit
 from appliance.auth.accounts import Admin
@@ -22,8 +22,8 @@ from appliance.runtime import Runtime
 from appliance.status import DaemonStatus, daemon_status
 
 AdminRequest = Request[Admin, AuthInfo, Any]
-PageNumber = Parameter(ge=1, default=1)
-PerPage = Parameter(ge=1, le=500, default=50)
+PageQuery = Annotated[int, QueryParameter(ge=1)]
+PerPageQuery = Annotated[int, QueryParameter(ge=1, le=500)]
 
 
 def _runtime(request: Request[Any, Any, Any]) -> Runtime:
@@ -87,24 +87,39 @@ async def get_me(request: AdminRequest) -> Me:
 
 @get("/audit", summary="Audit log, newest first")
 async def get_audit(
-    request: AdminRequest, actor: str = "", action: str = "", outcome: str = "",
-    page: int = PageNumber, per_page: int = PerPage,
+    request: AdminRequest,
+    actor: FromQuery[str] = "",
+    action: FromQuery[str] = "",
+    outcome: FromQuery[str] = "",
+    page: PageQuery = 1,
+    per_page: PerPageQuery = 50,
 ) -> AuditPage:
-    result = await _runtime(request).db.run(lambda s: list_audit(
-        s, actor=actor, action=action, outcome=outcome, page=page, per_page=per_page))
+    result = await _runtime(request).db.run(
+        lambda s: list_audit(
+            s, actor=actor, action=action, outcome=outcome, page=page, per_page=per_page
+        )
+    )
     return AuditPage(result.items, result.page, result.per_page, result.total, result.pages)
 
 
 @get("/events", summary="Event log, newest first; severity means 'at least'")
 async def get_events(
-    request: AdminRequest, severity: str = "", source: str = "",
-    page: int = PageNumber, per_page: int = PerPage,
+    request: AdminRequest,
+    severity: FromQuery[str] = "",
+    source: FromQuery[str] = "",
+    page: PageQuery = 1,
+    per_page: PerPageQuery = 50,
 ) -> EventPage:
     if severity and severity not in SEVERITIES:
-        raise ApplianceError("severity_invalid", f"unknown severity {severity!r}",
-                             "use one of " + ", ".join(SEVERITIES), status=400)
-    result = await _runtime(request).db.run(lambda s: list_events(
-        s, severity=severity, source=source, page=page, per_page=per_page))
+        raise ApplianceError(
+            "severity_invalid",
+            f"unknown severity {severity!r}",
+            "use one of " + ", ".join(SEVERITIES),
+            status=400,
+        )
+    result = await _runtime(request).db.run(
+        lambda s: list_events(s, severity=severity, source=source, page=page, per_page=per_page)
+    )
     return EventPage(result.items, result.page, result.per_page, result.total, result.pages)
 
 
@@ -119,34 +134,54 @@ async def get_tokens(request: AdminRequest) -> list[TokenInfo]:
 
 
 @post("/tokens", summary="Create an admin API token; the token is returned only here")
-async def post_token(request: AdminRequest, data: TokenCreate) -> TokenCreated:
+async def post_token(request: AdminRequest, data: JSONBody[TokenCreate]) -> TokenCreated:
     runtime = _runtime(request)
     now = runtime.clock.now()
     expires = data.expires_at
     if expires is not None and expires.tzinfo is None:
         expires = expires.replace(tzinfo=dt.UTC)
     token, info = await runtime.db.run(
-        lambda s: create_token(s, runtime.secret, request.user, data.name, now, expires))
-    await audit(runtime, actor=request.user.username, address=client_address(request),
-                action="token.create", target=info.prefix,
-                detail={"name": info.name, "via": request.auth.kind})
+        lambda s: create_token(s, runtime.secret, request.user, data.name, now, expires)
+    )
+    await audit(
+        runtime,
+        actor=request.user.username,
+        address=client_address(request),
+        action="token.create",
+        target=info.prefix,
+        detail={"name": info.name, "via": request.auth.kind},
+    )
     return TokenCreated(token, info)
 
 
 @delete("/tokens/{prefix:str}", status_code=200, summary="Revoke an admin API token")
-async def delete_token(request: AdminRequest, prefix: str) -> TokenInfo:
+async def delete_token(request: AdminRequest, prefix: FromPath[str]) -> TokenInfo:
     runtime = _runtime(request)
     info = await runtime.db.run(lambda s: revoke_token(s, prefix, runtime.clock.now()))
-    await audit(runtime, actor=request.user.username, address=client_address(request),
-                action="token.revoke", target=prefix, detail={"via": request.auth.kind})
+    await audit(
+        runtime,
+        actor=request.user.username,
+        address=client_address(request),
+        action="token.revoke",
+        target=prefix,
+        detail={"via": request.auth.kind},
+    )
     return info
 
 
 def api_router() -> Router:
     return Router(
         path="/api/v1",
-        route_handlers=[get_status, get_me, get_audit, get_events, get_settings, get_tokens,
-                        post_token, delete_token],
+        route_handlers=[
+            get_status,
+            get_me,
+            get_audit,
+            get_events,
+            get_settings,
+            get_tokens,
+            post_token,
+            delete_token,
+        ],
         guards=[password_current],
         tags=["admin"],
     )

@@ -9,12 +9,11 @@ else.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 from litestar import Request, Response, get, post
 from litestar.datastructures import Cookie
-from litestar.enums import RequestEncodingType
-from litestar.params import Body
+from litestar.params import FromQuery, URLEncodedBody
 from litestar.response import Redirect, Template
 
 from appliance.auditing import audit
@@ -25,7 +24,6 @@ from appliance.auth.sessions import COOKIE_NAME, close_session, open_session
 from appliance.errors import ApplianceError
 from appliance.runtime import Runtime
 
-Form = Body(media_type=RequestEncodingType.URL_ENCODED)
 AdminRequest = Request[Admin, AuthInfo, Any]
 
 
@@ -33,7 +31,7 @@ AdminRequest = Request[Admin, AuthInfo, Any]
 class LoginForm:
     username: str = ""
     password: str = ""
-    next: str = "/"
+    next: FromQuery[str] = "/"
 
 
 @dataclass
@@ -64,13 +62,13 @@ def session_cookie(runtime: Runtime, value: str, *, max_age: int | None = None) 
 
 
 @get("/login", include_in_schema=False)
-async def login_page(next: str = "/") -> Template:
+async def login_page(next: FromQuery[str] = "/") -> Template:
     return Template("pages/login.html", context={"next": _safe_next(next), "error": ""})
 
 
 @post("/login", include_in_schema=False)
 async def login(
-    request: Request[Any, Any, Any], data: Annotated[LoginForm, Form]
+    request: Request[Any, Any, Any], data: URLEncodedBody[LoginForm]
 ) -> Response[Any]:
     runtime = runtime_of(request)
     address = client_address(request)
@@ -122,7 +120,7 @@ async def password_page(request: AdminRequest) -> Template:
 
 @post("/account/password", include_in_schema=False)
 async def change_password(
-    request: AdminRequest, data: Annotated[PasswordForm, Form]
+    request: AdminRequest, data: URLEncodedBody[PasswordForm]
 ) -> Response[Any]:
     runtime = runtime_of(request)
     admin = request.user

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from litestar import Request, get, post
-from litestar.enums import RequestEncodingType
 from litestar.handlers import BaseRouteHandler
-from litestar.params import Body
+from litestar.params import FromPath, FromQuery, QueryParameter, URLEncodedBody
 from litestar.response import Redirect, Template
 
 from appliance.auditing import audit
@@ -35,13 +34,17 @@ from appliance.ui.login import (
 )
 
 PER_PAGE = 50
+PageQuery = Annotated[int, QueryParameter(ge=1)]
 
 
 def _to_password_page(request: Request[Any, Any, Any], _: PasswordChangeRequired) -> Any:
     if request.headers.get("hx-request"):
-        return Template("partials/error.html", status_code=403, headers={
-            "HX-Redirect": "/account/password"},
-            context={"status": 403, "message": "change your password first", "hint": ""})
+        return Template(
+            "partials/error.html",
+            status_code=403,
+            headers={"HX-Redirect": "/account/password"},
+            context={"status": 403, "message": "change your password first", "hint": ""},
+        )
     return Redirect("/account/password", status_code=303)
 
 
@@ -67,45 +70,76 @@ async def dashboard(request: AdminRequest) -> Template:
 
 @get("/audit", **GUARDED)
 async def audit_page(
-    request: AdminRequest, actor: str = "", action: str = "", outcome: str = "", page: int = 1
+    request: AdminRequest,
+    actor: FromQuery[str] = "",
+    action: FromQuery[str] = "",
+    outcome: FromQuery[str] = "",
+    page: PageQuery = 1,
 ) -> Template:
     runtime = runtime_of(request)
     page = max(1, page)
-    entries = await runtime.db.run(lambda s: list_audit(
-        s, actor=actor, action=action, outcome=outcome, page=page, per_page=PER_PAGE))
+    entries = await runtime.db.run(
+        lambda s: list_audit(
+            s, actor=actor, action=action, outcome=outcome, page=page, per_page=PER_PAGE
+        )
+    )
     name = "partials/audit_rows.html" if _htmx(request) else "pages/audit.html"
-    return Template(name, context={
-        "entries": entries, "nav": "audit",
-        "filters": {"actor": actor, "action": action, "outcome": outcome},
-    })
+    return Template(
+        name,
+        context={
+            "entries": entries,
+            "nav": "audit",
+            "filters": {"actor": actor, "action": action, "outcome": outcome},
+        },
+    )
 
 
 @get("/events", **GUARDED)
 async def events_page(
-    request: AdminRequest, severity: str = "", source: str = "", page: int = 1
+    request: AdminRequest,
+    severity: FromQuery[str] = "",
+    source: FromQuery[str] = "",
+    page: PageQuery = 1,
 ) -> Template:
     runtime = runtime_of(request)
     if severity and severity not in SEVERITIES:
-        raise ApplianceError("severity_invalid", f"unknown severity {severity!r}",
-                             "use one of " + ", ".join(SEVERITIES), status=400)
+        raise ApplianceError(
+            "severity_invalid",
+            f"unknown severity {severity!r}",
+            "use one of " + ", ".join(SEVERITIES),
+            status=400,
+        )
     page = max(1, page)
-    events = await runtime.db.run(lambda s: list_events(
-        s, severity=severity, source=source, page=page, per_page=PER_PAGE))
+    events = await runtime.db.run(
+        lambda s: list_events(s, severity=severity, source=source, page=page, per_page=PER_PAGE)
+    )
     name = "partials/event_rows.html" if _htmx(request) else "pages/events.html"
-    return Template(name, context={
-        "events": events, "nav": "events", "severities": SEVERITIES,
-        "filters": {"severity": severity, "source": source},
-    })
+    return Template(
+        name,
+        context={
+            "events": events,
+            "nav": "events",
+            "severities": SEVERITIES,
+            "filters": {"severity": severity, "source": source},
+        },
+    )
 
 
 @get("/settings", **GUARDED)
 async def settings_page(request: AdminRequest) -> Template:
     runtime = runtime_of(request)
     tokens = await runtime.db.run(list_tokens)
-    return Template("pages/settings.html", context={
-        "rows": describe(runtime.config), "source": runtime.config.source,
-        "tokens": tokens, "now": runtime.clock.now(), "nav": "settings", "created": None,
-    })
+    return Template(
+        "pages/settings.html",
+        context={
+            "rows": describe(runtime.config),
+            "source": runtime.config.source,
+            "tokens": tokens,
+            "now": runtime.clock.now(),
+            "nav": "settings",
+            "created": None,
+        },
+    )
 
 
 @dataclass
@@ -117,7 +151,7 @@ class TokenForm:
 @post("/settings/tokens", **GUARDED)
 async def create_token_ui(
     request: AdminRequest,
-    data: Annotated[TokenForm, Body(media_type=RequestEncodingType.URL_ENCODED)],
+    data: URLEncodedBody[TokenForm],
 ) -> Template:
     runtime = runtime_of(request)
     now = runtime.clock.now()
@@ -132,37 +166,63 @@ async def create_token_ui(
             expires = now + dt.timedelta(days=days)
         name = data.name.strip()
         created = await runtime.db.run(
-            lambda s: create_token(s, runtime.secret, request.user, name, now, expires))
+            lambda s: create_token(s, runtime.secret, request.user, name, now, expires)
+        )
     except ValueError:
         error = "Expiry must be a whole number of days, or empty for none."
     except ApplianceError as exc:
         error = f"{exc.message}; {exc.hint}."
     if created is not None:
-        await audit(runtime, actor=request.user.username, address=client_address(request),
-                    action="token.create", target=created[1].prefix,
-                    detail={"name": created[1].name, "expires_at": expires.isoformat()
-                            if expires else None})
+        await audit(
+            runtime,
+            actor=request.user.username,
+            address=client_address(request),
+            action="token.create",
+            target=created[1].prefix,
+            detail={
+                "name": created[1].name,
+                "expires_at": expires.isoformat() if expires else None,
+            },
+        )
     tokens = await runtime.db.run(list_tokens)
-    return Template("partials/tokens.html", status_code=422 if error else 200, context={
-        "tokens": tokens, "now": now, "error": error,
-        "created": created[0] if created else None,
-    })
+    return Template(
+        "partials/tokens.html",
+        status_code=422 if error else 200,
+        context={
+            "tokens": tokens,
+            "now": now,
+            "error": error,
+            "created": created[0] if created else None,
+        },
+    )
 
 
 @post("/settings/tokens/{prefix:str}/revoke", **GUARDED)
-async def revoke_token_ui(request: AdminRequest, prefix: str) -> Template:
+async def revoke_token_ui(request: AdminRequest, prefix: FromPath[str]) -> Template:
     runtime = runtime_of(request)
     now = runtime.clock.now()
     info = await runtime.db.run(lambda s: revoke_token(s, prefix, now))
-    await audit(runtime, actor=request.user.username, address=client_address(request),
-                action="token.revoke", target=prefix, detail={"name": info.name})
+    await audit(
+        runtime,
+        actor=request.user.username,
+        address=client_address(request),
+        action="token.revoke",
+        target=prefix,
+        detail={"name": info.name},
+    )
     tokens = await runtime.db.run(list_tokens)
-    return Template("partials/tokens.html", context={
-        "tokens": tokens, "now": now, "error": "", "created": None})
+    return Template(
+        "partials/tokens.html", context={"tokens": tokens, "now": now, "error": "", "created": None}
+    )
 
 
 def ui_handlers() -> list[BaseRouteHandler]:
     guarded: list[BaseRouteHandler] = [
-        dashboard, audit_page, events_page, settings_page, create_token_ui, revoke_token_ui,
+        dashboard,
+        audit_page,
+        events_page,
+        settings_page,
+        create_token_ui,
+        revoke_token_ui,
     ]
     return [login_page, login, logout, password_page, change_password, *guarded]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from litestar.contrib.jinja import JinjaTemplateEngine
+from litestar.plugins.jinja import JinjaTemplateEngine
 
 from appliance import __version__
 

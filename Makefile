@@ -1,0 +1,32 @@
+# The two commands of the README: `make demo` and `make test`. Everything else is a helper.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: demo test lint typecheck unit clean
+
+$(BIN)/.installed: pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11 or newer is needed (found " + sys.version.split()[0] + "); set PYTHON=python3.11")'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@touch $@
+
+## demo: run the control plane on http://127.0.0.1:8080 with a dev state dir in ./.appliance/
+demo: $(BIN)/.installed
+	$(BIN)/python -m appliance.testing.demo
+
+## test: everything CI checks (ruff, mypy strict, pytest with browser and database tests)
+test: lint typecheck unit
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check appliance migrations tests benchmarks
+
+typecheck: $(BIN)/.installed
+	$(BIN)/mypy
+
+unit: $(BIN)/.installed
+	$(BIN)/pytest -q
+
+clean:
+	rm -rf $(VENV) .appliance .mypy_cache .ruff_cache .pytest_cache
