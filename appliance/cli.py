@@ -238,7 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(getattr(args, "config", None), dev=getattr(args, "dev", False))
         logging.basicConfig(level=config.logging.level.upper(),
                             format="%(levelname)s %(name)s: %(message)s")
-        logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
+        # Alembic narrates every connection at INFO; `migrate` prints its own summary.
+        logging.getLogger("alembic").setLevel(logging.WARNING)
         return HANDLERS[args.command](args, config)
     except ApplianceError as exc:
         print(f"appliance: {exc.as_text()}", file=sys.stderr)

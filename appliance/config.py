@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tempfile
 import tomllib
 from collections.abc import Callable, Mapping
@@ -26,6 +27,9 @@ DEV_ROOT = Path(".appliance")
 ENV_PREFIX = "APPLIANCE_"
 
 Check = Callable[[Any], str | None]
+Show = Callable[[Any], str]
+
+DB_DRIVERS = ("sqlite", "postgresql", "postgresql+psycopg")
 
 
 def _port(value: int) -> str | None:
@@ -46,16 +50,53 @@ def _level(value: str) -> str | None:
 
 
 def _db_url(value: str) -> str | None:
-    ok = value == "" or value.startswith(("sqlite:", "postgresql:", "postgresql+psycopg:"))
-    return None if ok else "empty (SQLite in the state dir) or a sqlite:/postgresql: URL"
+    """Parse it the way the database layer will, so a bad URL is a config error (exit 78)."""
+    from sqlalchemy.engine import make_url  # here: a config error should not wait on SQLAlchemy
+    from sqlalchemy.exc import ArgumentError
+
+    if value == "":
+        return None
+    expected = ("empty (SQLite in the state dir), sqlite:////absolute/path.db or "
+                "postgresql://user:password@host/database")
+    try:
+        url = make_url(value)
+    except (ArgumentError, ValueError):
+        return expected
+    if url.drivername not in DB_DRIVERS:
+        return expected
+    if url.drivername == "sqlite" and not (
+        url.database and url.database != ":memory:" and Path(url.database).is_absolute()
+    ):
+        return "a SQLite URL naming an absolute file path, e.g. sqlite:////srv/appliance.db"
+    return None
 
 
-def _key(default: Any, check: Check | None = None, doc: str = "") -> Any:
+def mask_url(value: str) -> str:
+    """A database URL fit to show: any password (user info or `?password=`) replaced."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    if not value:
+        return value
+    try:
+        url = make_url(value)
+    except (ArgumentError, ValueError):
+        # Not parseable, so not usable either; still never echo what may be user:password.
+        if "@" not in value:
+            return value
+        scheme = re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/*", value)
+        return (scheme.group(0) if scheme else "") + "***@" + value.rpartition("@")[2]
+    query = {k: ("***" if k.lower() == "password" else v) for k, v in url.query.items()}
+    shown = url.set(query=query).render_as_string(hide_password=True)
+    return shown.replace("%2A%2A%2A", "***")
+
+
+def _key(default: Any, check: Check | None = None, doc: str = "",
+         show: Show | None = None) -> Any:
+    metadata = {"check": check, "doc": doc, "show": show}
     if isinstance(default, list):
-        return dataclasses.field(
-            default_factory=lambda: list(default), metadata={"check": check, "doc": doc}
-        )
-    return dataclasses.field(default=default, metadata={"check": check, "doc": doc})
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +127,9 @@ class PathsConfig:
 class DatabaseConfig:
     """The one database both planes share."""
 
-    url: str = _key("", _db_url, "empty for SQLite in state_dir, or a PostgreSQL URL")
+    url: str = _key(
+        "", _db_url, "empty for SQLite in state_dir, or a PostgreSQL URL", show=mask_url
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +249,11 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(str(path), "", f"invalid TOML ({exc})", "valid TOML syntax") from None
     except UnicodeDecodeError:
         raise ConfigError(str(path), "", "bytes that are not UTF-8", "UTF-8 text") from None
+    except OSError as exc:  # a directory, a path through a regular file, an I/O error...
+        raise ConfigError(
+            str(path), "", f"a path that cannot be read ({exc.strerror or exc})",
+            "a readable TOML file",
+        ) from None
 
 
 def _env_target(var: str) -> tuple[str, str]:
@@ -236,7 +284,9 @@ def _convert(source: str, section: str, key: str, value: Any, *, from_env: bool)
     if check is not None and converted is not None:
         problem = check(converted)
         if problem is not None:
-            raise ConfigError(source, dotted, repr(value), problem)
+            show: Show | None = fields[key].metadata.get("show")
+            found = repr(show(value) if show is not None else value)
+            raise ConfigError(source, dotted, found, problem)
     return converted
 
 
@@ -302,13 +352,19 @@ def ensure_writable_dirs(config: Config) -> None:
 
 
 def describe(config: Config) -> list[tuple[str, str, str]]:
-    """(key, value, doc) rows for the Settings page and `/api/v1/settings`; no secrets here."""
+    """(key, value, doc) rows for the Settings page and `/api/v1/settings`; no secrets here:
+    a key with a `show` function (database.url) is rendered through it (password masked)."""
     rows = []
     for name in SECTIONS:
         section = getattr(config, name)
         for field in dataclasses.fields(section):
             value = getattr(section, field.name)
-            shown = ", ".join(value) if isinstance(value, list) else ("" if value is None
-                                                                      else str(value))
+            show: Show | None = field.metadata.get("show")
+            if show is not None:
+                shown = show(value)
+            elif isinstance(value, list):
+                shown = ", ".join(value)
+            else:
+                shown = "" if value is None else str(value)
             rows.append((f"{name}.{field.name}", shown, field.metadata.get("doc", "")))
     return rows

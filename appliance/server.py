@@ -96,8 +96,11 @@ async def run_server(runtime: Runtime) -> None:
     finally:
         for task in tasks:
             task.cancel()
+        # A repeated SIGTERM while we finish shutting down must not kill us half-way: from
+        # here to exit the signals are ignored (systemd's stop timeout still applies).
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
     if not server.started:
         raise ApplianceError(
             "startup_failed", f"the control plane did not start on {cfg.host}:{cfg.port}",

@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
-from appliance.db.models import AuditEntry, Event
+from appliance.db.models import AuditEntry, Event, as_utc
 
 SEVERITIES = ("info", "warning", "error", "critical")
 OUTCOMES = ("ok", "denied", "failed")
@@ -73,7 +73,7 @@ def add_audit(
     assert outcome in OUTCOMES, outcome
     session.add(
         AuditEntry(
-            at=at, actor=actor[:128], address=address[:64], action=action,
+            at=as_utc(at), actor=actor[:128], address=address[:64], action=action,
             target=target[:255], outcome=outcome, detail=json.dumps(detail or {}),
         )
     )
@@ -90,7 +90,7 @@ def add_event(
 ) -> None:
     assert severity in SEVERITIES, severity
     session.add(
-        Event(at=at, severity=severity, source=source, message=message,
+        Event(at=as_utc(at), severity=severity, source=source, message=message,
               detail=json.dumps(detail or {}))
     )
 
@@ -114,7 +114,9 @@ def list_audit(
     if actor:
         query = query.where(AuditEntry.actor == actor)
     if action:
-        query = query.where(AuditEntry.action.startswith(action))
+        # A literal, case-sensitive prefix on both backends. `startswith` would be LIKE, where
+        # "_" and "%" are wildcards and SQLite ignores case while PostgreSQL does not.
+        query = query.where(func.substr(AuditEntry.action, 1, len(action)) == action)
     if outcome:
         query = query.where(AuditEntry.outcome == outcome)
     rows, total = _paged(session, query, page, per_page)

@@ -24,6 +24,16 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
+def as_utc(value: dt.datetime) -> dt.datetime:
+    """`value` in UTC; a naive datetime (no zone, so no known instant) is a `ValueError`."""
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError(
+            f"naive datetime {value.isoformat()} given to the database; use an aware UTC "
+            "value such as datetime.now(datetime.UTC)"
+        )
+    return value.astimezone(dt.UTC)
+
+
 class UTCDateTime(TypeDecorator[dt.datetime]):
     """A datetime stored in UTC that is always returned timezone-aware.
 
@@ -35,11 +45,9 @@ class UTCDateTime(TypeDecorator[dt.datetime]):
     cache_ok = True
 
     def process_bind_param(self, value: dt.datetime | None, dialect: Dialect) -> Any:
-        if value is None:
-            return None
-        if value.tzinfo is None:
-            raise ValueError("naive datetime given to the database; use an aware UTC value")
-        return value.astimezone(dt.UTC)
+        # SQLAlchemy wraps this ValueError in a StatementError at flush time; the journal's
+        # writers call `as_utc` first so their callers get the plain ValueError.
+        return None if value is None else as_utc(value)
 
     def process_result_value(self, value: Any, dialect: Dialect) -> dt.datetime | None:
         if value is None:

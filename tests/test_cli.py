@@ -1,0 +1,106 @@
+"""The `appliance admin` and `appliance token` commands, as real subprocesses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from appliance.auth.accounts import authenticate
+from appliance.auth.tokens import list_tokens
+from appliance.config import load_config
+from appliance.db.database import Database
+from appliance.db.journal import list_audit
+from tests.test_server import write_config
+from tests.conftest import run_cli
+
+
+@pytest.fixture
+def box(tmp_path: Path) -> Path:
+    config = write_config(tmp_path / "box")
+    assert run_cli("--config", str(config), "migrate").returncode == 0
+    return config
+
+
+def database(config: Path) -> Database:
+    return Database(load_config(config, env={}).database_url)
+
+
+def test_admin_create_list_and_reset(box: Path) -> None:
+    created = run_cli("--config", str(box), "admin", "create", "--username", "Ops",
+                      "--password-stdin", input="a sturdy passphrase\n")
+    assert created.returncode == 0, created.stderr
+    assert "admin 'ops' created" in created.stdout
+    listed = run_cli("--config", str(box), "admin", "list")
+    assert listed.stdout.startswith("ops\t")
+    reset = run_cli("--config", str(box), "admin", "reset-password", "--username", "ops",
+                    "--password-stdin", input="another sturdy one\n")
+    assert reset.returncode == 0, reset.stderr
+    db = database(box)
+    assert db.call(lambda s: authenticate(s, "ops", "another sturdy one")) is not None
+    assert db.call(lambda s: authenticate(s, "ops", "a sturdy passphrase")) is None
+    actions = [(a.action, a.actor.startswith("cli:")) for a in
+               db.call(lambda s: list_audit(s, action="admin.")).items]
+    assert actions == [("admin.reset_password", True), ("admin.create", True)]
+    db.dispose()
+
+
+@pytest.mark.parametrize(("args", "stdin", "message"), [
+    (["create", "--username", "x", "--password-stdin"], "long enough pass\n", "is not allowed"),
+    (["create", "--username", "ops", "--password-stdin"], "short\n", "at least 12"),
+    (["reset-password", "--username", "ghost", "--password-stdin"], "long enough pass\n",
+     "no admin named 'ghost'"),
+    (["create", "--username", "ops"], "", "pass --password-stdin"),
+])
+def test_admin_bad_input_is_explained_and_changes_nothing(
+    box: Path, args: list[str], stdin: str, message: str
+) -> None:
+    result = run_cli("--config", str(box), "admin", *args, input=stdin)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert result.stderr.startswith("appliance: ")
+    assert run_cli("--config", str(box), "admin", "list").stdout == ""
+
+
+def test_duplicate_admin_is_refused(box: Path) -> None:
+    args = ["--config", str(box), "admin", "create", "--username", "ops", "--password-stdin"]
+    assert run_cli(*args, input="a sturdy passphrase\n").returncode == 0
+    again = run_cli(*args, input="a different passphrase\n")
+    assert again.returncode != 0
+    assert "already exists" in again.stderr
+    db = database(box)
+    assert db.call(lambda s: authenticate(s, "ops", "a sturdy passphrase")) is not None
+    db.dispose()
+
+
+def test_token_create_list_revoke(box: Path) -> None:
+    run_cli("--config", str(box), "admin", "create", "--username", "admin", "--password-stdin",
+            input="a sturdy passphrase\n")
+    created = run_cli("--config", str(box), "token", "create", "--name", "backup job",
+                      "--expires-days", "30")
+    assert created.returncode == 0, created.stderr
+    token = created.stdout.strip()
+    assert token.startswith("apt_")
+    assert "shown once" in created.stderr
+    prefix = token.split("_")[1]
+    listed = run_cli("--config", str(box), "token", "list").stdout
+    assert f"{prefix}\tbackup job\towner admin\tactive" in listed
+    assert token not in listed
+    revoked = run_cli("--config", str(box), "token", "revoke", prefix)
+    assert revoked.returncode == 0
+    db = database(box)
+    assert db.call(list_tokens)[0].revoked_at is not None
+    db.dispose()
+
+
+def test_token_for_unknown_owner_is_refused(box: Path) -> None:
+    result = run_cli("--config", str(box), "token", "create", "--name", "x", "--owner", "ghost")
+    assert result.returncode == 64
+    assert "no admin named 'ghost'" in result.stderr
+
+
+def test_commands_refuse_an_unmigrated_database(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "fresh")
+    result = run_cli("--config", str(config), "admin", "list")
+    assert result.returncode == 78
+    assert "appliance migrate" in result.stderr
