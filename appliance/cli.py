@@ -234,6 +234,8 @@ HANDLERS: dict[str, Handler] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Files the appliance creates (database, backups, logs) are not world-readable.
+    os.umask(0o027)
     try:
         config = load_config(getattr(args, "config", None), dev=getattr(args, "dev", False))
         logging.basicConfig(level=config.logging.level.upper(),

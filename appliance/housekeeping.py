@@ -6,6 +6,7 @@ defaults: one instance each, coalesced, generous misfire grace (see `new_schedul
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -30,11 +31,16 @@ def _on_job_problem(runtime: Runtime, event: JobExecutionEvent) -> None:
         severity, message = "error", f"scheduled job {event.job_id} failed: {event.exception!r}"
     log.warning(message)
     now = runtime.clock.now()
-    try:
-        runtime.db.call(lambda s: add_event(s, at=now, severity=severity, source="scheduler",
-                                            message=message))
-    except Exception:  # the event log must never take the scheduler down with it
-        log.exception("could not record scheduler event")
+
+    def record() -> None:
+        try:
+            runtime.db.call(lambda s: add_event(s, at=now, severity=severity,
+                                                source="scheduler", message=message))
+        except Exception:  # the event log must never take the scheduler down with it
+            log.exception("could not record scheduler event")
+
+    # Listeners run on the event loop; the database write goes to a worker thread.
+    asyncio.get_running_loop().run_in_executor(None, record)
 
 
 def schedule_housekeeping(runtime: Runtime) -> None:
