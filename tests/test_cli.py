@@ -11,8 +11,8 @@ from appliance.auth.tokens import list_tokens
 from appliance.config import load_config
 from appliance.db.database import Database
 from appliance.db.journal import list_audit
-from tests.test_server import write_config
 from tests.conftest import run_cli
+from tests.test_server import write_config
 
 
 @pytest.fixture
