@@ -52,11 +52,13 @@ class Runtime:
 def new_scheduler() -> AsyncIOScheduler:
     """APScheduler with defaults that survive restarts and slow ticks.
 
-    One instance per job, missed runs coalesced into one, and a generous grace time so a busy
-    loop or a clock step does not silently skip a job (APScheduler's default grace is 1 s).
+    One instance per job and missed runs coalesced into one. No misfire deadline: APScheduler 3
+    schedules on the wall clock, so a clock stepped forward makes every job look late; with a
+    grace time (the default is 1 s) it would skip them and report "missed". Our jobs are
+    idempotent housekeeping, so late is always better than skipped.
     """
     return AsyncIOScheduler(
-        job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 300},
+        job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
         timezone=dt.UTC,
     )
 

@@ -48,7 +48,35 @@ def test_scheduler_jobs_coalesce_and_tolerate_slow_ticks() -> None:
     defaults = scheduler._job_defaults  # APScheduler 3 keeps them here
     assert defaults["coalesce"] is True
     assert defaults["max_instances"] == 1
-    assert defaults["misfire_grace_time"] >= 60
+    assert defaults["misfire_grace_time"] is None
+
+
+def test_clock_stepped_forward_runs_a_late_job_once_without_a_missed_event() -> None:
+    """Fault 20: a job whose time passed long ago (as after a forward clock step, or a
+    suspended box) runs exactly once, coalesced, and is not reported as missed."""
+    import asyncio
+    import datetime as dt
+
+    from apscheduler.events import EVENT_JOB_MISSED
+
+    async def scenario() -> tuple[int, int]:
+        runs: list[int] = []
+        missed: list[object] = []
+        scheduler = new_scheduler()
+        scheduler.add_listener(missed.append, EVENT_JOB_MISSED)
+        late = dt.datetime.now(dt.UTC) - dt.timedelta(hours=3)
+        scheduler.add_job(lambda: runs.append(1), "interval", minutes=5, id="late",
+                          next_run_time=late)
+        scheduler.start()
+        for _ in range(100):
+            if runs:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+        scheduler.shutdown(wait=False)
+        return len(runs), len(missed)
+
+    assert asyncio.run(scenario()) == (1, 0)
 
 
 @pytest.mark.parametrize(("header", "name"), [
