@@ -64,7 +64,7 @@ def test_clock_stepped_forward_runs_a_late_job_once_without_a_missed_event() -> 
         missed: list[object] = []
         scheduler = new_scheduler()
         scheduler.add_listener(missed.append, EVENT_JOB_MISSED)
-        late = dt.datetime.now(dt.UTC) - dt.timedelta(hours=3)
+        late = dt.datetime.now(dt.UTC) - dt.timedelta(hours=3, seconds=150)  # between ticks
         scheduler.add_job(lambda: runs.append(1), "interval", minutes=5, id="late",
                           next_run_time=late)
         scheduler.start()
