@@ -94,8 +94,6 @@ def mask_url(value: str) -> str:
 def _key(default: Any, check: Check | None = None, doc: str = "",
          show: Show | None = None) -> Any:
     metadata = {"check": check, "doc": doc, "show": show}
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -105,8 +103,8 @@ class ServerConfig:
 
     host: str = _key("127.0.0.1", doc="address the control plane binds")
     port: int = _key(8080, _port, "TCP port of the admin console and API")
-    allowed_hosts: list[str] = _key(
-        ["127.0.0.1", "localhost", "::1"], doc="Host header values accepted (DNS-rebinding guard)"
+    allowed_hosts: tuple[str, ...] = _key(
+        ("127.0.0.1", "localhost", "::1"), doc="Host header values accepted (DNS-rebinding guard)"
     )
     tls_cert: Path | None = _key(None, _absolute, "PEM certificate; enables HTTPS")
     tls_key: Path | None = _key(None, _absolute, "PEM private key for tls_cert")
@@ -307,12 +305,12 @@ def _coerce(source: str, dotted: str, hint: Any, value: Any, from_env: bool) -> 
         if not isinstance(value, str):
             raise wrong("a string")
         return value
-    if hint == list[str]:
+    if hint == tuple[str, ...]:  # a TOML list, or comma-separated in the environment
         if from_env and isinstance(value, str):
-            return [item.strip() for item in value.split(",") if item.strip()]
+            return tuple(item.strip() for item in value.split(",") if item.strip())
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise wrong("a list of strings")
-        return list(value)
+        return tuple(value)
     if hint in (Path, Path | None):
         if not isinstance(value, str):
             raise wrong("a path string")
@@ -362,7 +360,7 @@ def describe(config: Config) -> list[tuple[str, str, str]]:
             show: Show | None = field.metadata.get("show")
             if show is not None:
                 shown = show(value)
-            elif isinstance(value, list):
+            elif isinstance(value, tuple):
                 shown = ", ".join(value)
             else:
                 shown = "" if value is None else str(value)

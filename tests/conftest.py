@@ -9,6 +9,7 @@ import contextlib
 import os
 import re
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -185,10 +186,8 @@ def logged_in(runtime: Runtime, console: Console) -> Console:
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, input: str | None = None,
-            timeout: float = 60) -> "subprocess.CompletedProcess[str]":
+            timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """`python -m appliance ARGS` as a real subprocess."""
-    import subprocess
-
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "appliance", *args], capture_output=True,

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import subprocess
+import sys
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,6 +35,7 @@ from tests.conftest import REPO, run_cli
 
 DOC = REPO / "docs" / "configuration.md"
 FILE = "<file>"  # in a case's expected source: the config file's path
+DIRECTORY = "<directory>"  # as a case's content: --config names a directory
 
 Sections = Mapping[str, Mapping[str, str]]
 
@@ -166,7 +169,7 @@ BAD: list[Any] = [
     pytest.param(None, {}, FILE, "", "no such file", "a TOML file", id="file-missing"),
     pytest.param(b'[server]\nhost = "\xff\xfe"\n', {}, FILE, "", "bytes that are not UTF-8",
                  "UTF-8 text", id="file-not-utf8"),
-    pytest.param("dir", {}, FILE, "", "a path that cannot be read", "a readable TOML file",
+    pytest.param(DIRECTORY, {}, FILE, "", "a path that cannot be read", "a readable TOML file",
                  id="file-is-directory"),
     pytest.param({}, {"APPLIANCE_SERVER_PORT": "abc"}, "APPLIANCE_SERVER_PORT", "server.port",
                  "'abc' (str)", "an integer", id="env-port-abc"),
@@ -188,7 +191,7 @@ BAD: list[Any] = [
 def config_path(tmp: Path, content: Sections | str | bytes | None) -> Path:
     if content is None:
         return tmp / "absent.toml"
-    if content == "dir":
+    if content == DIRECTORY:
         (tmp / "conf.d").mkdir()
         return tmp / "conf.d"
     return write_config(tmp, content)
@@ -261,9 +264,6 @@ def test_cli_bad_env_with_dev_profile_creates_nothing(tmp: Path) -> None:
     stop it before it creates that folder."""
     work = tmp / "work"
     work.mkdir()
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
     env["APPLIANCE_SERVER_PORT"] = "0"
     env["PYTHONPATH"] = str(REPO)
@@ -280,7 +280,7 @@ WRONG_TYPE: dict[Any, list[str]] = {  # TOML literals no key of that type may ac
     int: ['"x"', '"8080"', "1.5", "[]", "{}", "true", "false", "[1]", "1979-05-27",
           "07:32:00"],
     str: ["1", "1.5", "[]", "{}", "true", '["a"]', "1979-05-27T07:32:00Z"],
-    list[str]: ['"x"', '""', "1", "[1]", '["a", 1]', "{}", "true", '[["a"]]', "[{}]",
+    tuple[str, ...]: ['"x"', '""', "1", "[1]", '["a", 1]', "{}", "true", '[["a"]]', "[{}]",
                 '["a", true]'],
     Path: ["1", "1.5", "[]", "{}", "true", '["/x"]', '"relative"', '"./x"', '""'],
     Path | None: ["1", "1.5", "[]", "{}", "true", '["/x"]', '"relative"', '"./x"'],
@@ -347,7 +347,7 @@ def test_defaults(tmp: Path) -> None:
     config = load_config(write_config(tmp, {}), env={})
     assert config.server == type(config.server)()
     assert (config.server.host, config.server.port) == ("127.0.0.1", 8080)
-    assert config.server.allowed_hosts == ["127.0.0.1", "localhost", "::1"]
+    assert config.server.allowed_hosts == ("127.0.0.1", "localhost", "::1")
     assert not config.tls and config.server.tls_key is None
     assert config.auth == type(config.auth)() and config.logging.level == "INFO"
     assert config.paths.state_dir == tmp / "state"
@@ -362,7 +362,7 @@ GOOD: list[Any] = [
     pytest.param({"server": {"host": '"10.0.0.5"', "port": "1"}}, {},
                  {"server.host": "10.0.0.5", "server.port": 1}, id="port-1"),
     pytest.param({"server": {"port": "65535"}}, {}, {"server.port": 65535}, id="port-65535"),
-    pytest.param({"server": {"allowed_hosts": "[]"}}, {}, {"server.allowed_hosts": []},
+    pytest.param({"server": {"allowed_hosts": "[]"}}, {}, {"server.allowed_hosts": ()},
                  id="no-hosts"),
     pytest.param({"server": {"tls_cert": '"{tmp}/cert.pem"', "tls_key": '"{tmp}/key.pem"'}},
                  {}, {"server.tls_cert": "{tmp}/cert.pem", "tls": True}, id="tls"),
@@ -376,9 +376,9 @@ GOOD: list[Any] = [
     pytest.param({}, {"APPLIANCE_SERVER_PORT": " 9090 "}, {"server.port": 9090},
                  id="env-port-spaces"),
     pytest.param({}, {"APPLIANCE_SERVER_ALLOWED_HOSTS": "a,b"},
-                 {"server.allowed_hosts": ["a", "b"]}, id="env-list"),
+                 {"server.allowed_hosts": ("a", "b")}, id="env-list"),
     pytest.param({}, {"APPLIANCE_SERVER_ALLOWED_HOSTS": " a , b,,c "},
-                 {"server.allowed_hosts": ["a", "b", "c"]}, id="env-list-blanks"),
+                 {"server.allowed_hosts": ("a", "b", "c")}, id="env-list-blanks"),
     pytest.param({}, {"APPLIANCE_LOGGING_LEVEL": "debug"}, {"logging.level": "debug"},
                  id="env-level-any-case"),
     pytest.param({}, {"PATH": "/bin", "APPLIANCEX_SERVER_PORT": "1"}, {"server.port": 8080},
@@ -529,7 +529,7 @@ def test_describe_lists_every_key_once(tmp: Path) -> None:
 
 # --- docs/configuration.md cannot drift ------------------------------------------------------
 
-TYPE_WORDS = {int: "integer", str: "string", list[str]: "list of strings", Path: "path",
+TYPE_WORDS = {int: "integer", str: "string", tuple[str, ...]: "list of strings", Path: "path",
               Path | None: "optional path"}
 NOT_KEYS = {"appliance.toml", "appliance.db", "appliance.lock"}  # dotted names that are files
 ROW = re.compile(r"^\|\s*`(?P<key>[a-z_]+\.[a-z_]+)`\s*\|\s*(?P<type>[^|]+?)\s*\|"
@@ -556,6 +556,13 @@ def test_doc_names_every_key_and_no_other() -> None:
     assert documented_vars <= ENV_NAMES, documented_vars - ENV_NAMES
 
 
+def _as_config_value(literal: Any, like: Any) -> Any:
+    """A TOML literal in the form the frozen config holds (paths, tuples)."""
+    if isinstance(like, Path):
+        return Path(literal)
+    return tuple(literal) if isinstance(like, tuple) else literal
+
+
 def test_doc_tables_give_each_key_its_type_and_default() -> None:
     rows = {m["key"]: m for m in ROW.finditer(doc_text())}
     assert sorted(rows) == sorted(ALL_KEYS)
@@ -568,7 +575,7 @@ def test_doc_tables_give_each_key_its_type_and_default() -> None:
             assert shown == "unset", key
             continue
         literal = tomllib.loads(f"v = {shown.strip('`')}")["v"]
-        assert (Path(literal) if isinstance(defaults[key], Path) else literal) == defaults[key], key
+        assert _as_config_value(literal, defaults[key]) == defaults[key], key
 
 
 def test_doc_error_example_is_what_the_daemon_prints(tmp: Path) -> None:
@@ -597,8 +604,7 @@ def test_doc_example_loads(tmp: Path) -> None:
                            in env}:
             section, name = key.split(".")
             value = get_value(config, key)
-            assert value == (Path(parsed[section][name]) if isinstance(value, Path)
-                             else parsed[section][name]), key
+            assert value == _as_config_value(parsed[section][name], value), key
         if keys == set(ALL_KEYS):
             complete.append(number)
     assert complete, "no ```toml block in docs/configuration.md sets every key"

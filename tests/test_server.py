@@ -4,6 +4,7 @@ clean SIGTERM, the bootstrap credential and refusals that name the next step (fa
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -177,3 +178,34 @@ def test_port_in_use_is_explained(config_file: Path) -> None:
     assert result.returncode == 75
     assert f"could not listen on 127.0.0.1:{settings.server.port}" in result.stderr
     assert "server.port" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is needed to make a cert")
+def test_tls_serves_https_with_secure_cookies(tmp_path: Path) -> None:
+    root = tmp_path / "tls"
+    config = write_config(root)
+    cert, key = root / "cert.pem", root / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    config.write_text(config.read_text().replace(
+        "[paths]", f'tls_cert = "{cert}"\ntls_key = "{key}"\n\n[paths]'))
+    assert run_cli("--config", str(config), "migrate").returncode == 0
+    daemon = Daemon(config)
+    daemon.base_url = daemon.base_url.replace("http://", "https://")
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                # a self-signed certificate made by this test
+                response = httpx.get(daemon.base_url + "/login", verify=False)  # noqa: S501
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and daemon.proc.poll() is None, daemon.output()
+                time.sleep(0.1)
+        assert response.status_code == 200
+        csrf = next(c for c in response.headers.get_list("set-cookie")
+                    if c.startswith("appliance_csrf"))
+        assert "secure" in [p.strip().lower() for p in csrf.split(";")]
+    finally:
+        assert daemon.stop() == 0
