@@ -63,6 +63,19 @@ def cmd_serve(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace, config: Config) -> int:
+    from appliance.lock import InstanceLock
+
+    # Never under a running daemon: it would serve on a schema it does not match, and a
+    # restore after a failed step would discard what it wrote since the backup.
+    lock = InstanceLock(config.paths.state_dir)
+    lock.acquire()
+    try:
+        return _migrate_locked(args, config)
+    finally:
+        lock.release()
+
+
+def _migrate_locked(args: argparse.Namespace, config: Config) -> int:
     from appliance.db.database import Database
     from appliance.db.journal import add_audit, add_event
     from appliance.db.schema import migrate
@@ -74,6 +87,7 @@ def cmd_migrate(args: argparse.Namespace, config: Config) -> int:
     result = migrate(db, script, config.paths.state_dir / "backups", now)
     if result.before == result.after:
         print(f"appliance: database already at schema {result.after}; nothing to do")
+        db.dispose()
         return 0
     message = f"database migrated from {result.before or 'empty'} to {result.after}"
 

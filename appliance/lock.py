@@ -32,7 +32,7 @@ class InstanceLock:
                 "already_running",
                 f"another appliance daemon (pid {holder}) is using {self.path.parent}",
                 "stop it first (`systemctl stop appliance`), or give this one another "
-                "state directory",
+                "state directory; `appliance migrate` also needs the daemon stopped",
             ) from None
         handle.seek(0)
         handle.truncate()

@@ -209,3 +209,11 @@ def test_tls_serves_https_with_secure_cookies(tmp_path: Path) -> None:
         assert "secure" in [p.strip().lower() for p in csrf.split(";")]
     finally:
         assert daemon.stop() == 0
+
+
+def test_migrate_refuses_while_the_daemon_runs(daemon: Daemon) -> None:
+    result = run_cli("--config", str(daemon.config), "migrate")
+    assert result.returncode == 75
+    assert "another appliance daemon" in result.stderr
+    assert "migrate` also needs the daemon stopped" in result.stderr
+    assert httpx.get(daemon.base_url + "/healthz").status_code == 200

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import datetime as dt
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from alembic import command
 from alembic.config import Config as AlembicConfig
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from sqlalchemy import Connection
 from sqlalchemy.engine import make_url
 
 from appliance.db.database import Database
@@ -97,7 +100,8 @@ class MigrationResult:
 def migrate(
     db: Database, script_location: Path, backup_dir: Path, now: dt.datetime
 ) -> MigrationResult:
-    """Upgrade to head. On SQLite, copy the database first and put it back if a step fails."""
+    """Upgrade to head in one transaction. On SQLite, copy the database first (unless it is
+    empty) and put the copy back if a step fails."""
     state = schema_state(db, script_location)
     if not state.known:
         check_schema(db, script_location)  # raises the "newer" message
@@ -109,13 +113,24 @@ def migrate(
         backup = _backup_sqlite(db, backup_dir, now, state.current)
     cfg = _alembic_config(script_location)
     try:
-        with db.engine.begin() as conn:
+        with db.engine.connect() as conn, _migration_transaction(conn):
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, "head")
     except Exception as exc:
         restored = ""
         if backup is not None:
-            _restore_sqlite(db, backup)
+            try:
+                _restore_sqlite(db, backup)
+            except Exception as restore_exc:
+                raise MigrationFailed(
+                    "migration_failed",
+                    f"migrating the database {_describe(db)} from {state.current} to "
+                    f"{state.head} failed ({type(exc).__name__}: {exc}), and putting back "
+                    f"the copy taken before it failed too ({type(restore_exc).__name__}: "
+                    f"{restore_exc})",
+                    f"with the daemon stopped, copy {backup} over {_describe(db)} by hand, "
+                    "then keep running the previous release and report this error",
+                ) from exc
             restored = f"; the database was restored from {backup}"
         raise MigrationFailed(
             "migration_failed",
@@ -124,6 +139,52 @@ def migrate(
             "keep running the previous release (its schema is intact) and report this error",
         ) from exc
     return MigrationResult(state.current, state.head, backup)
+
+
+@contextmanager
+def _migration_transaction(conn: Connection) -> Iterator[None]:
+    """One transaction around the whole upgrade, so a failing step leaves nothing behind.
+
+    PostgreSQL has transactional DDL; a plain transaction is enough. SQLite has it too, but
+    Python's sqlite3 driver only opens a transaction before INSERT/UPDATE/DELETE, so DDL would
+    run in autocommit and a failing step would leave the steps before it applied. Here the
+    driver's transaction handling is switched off and the transaction begun explicitly
+    (IMMEDIATE: the write lock is taken up front, waiting out other writers).
+
+    On SQLite foreign key enforcement is also off for the migration (it cannot change inside a
+    transaction). Alembic's batch mode rebuilds a table by copy, DROP and RENAME, and with
+    enforcement on, dropping a parent table runs ON DELETE CASCADE on its children: rebuilding
+    `admin_users` would silently delete every session and API token. `PRAGMA
+    foreign_key_check` before the commit then refuses a migration that leaves a dangling
+    reference, so turning enforcement off hides nothing.
+    """
+    if conn.dialect.name != "sqlite":
+        with conn.begin():
+            yield
+        return
+    raw = conn.connection.driver_connection
+    assert isinstance(raw, sqlite3.Connection)
+    previous = raw.isolation_level
+    raw.isolation_level = None
+    raw.execute("PRAGMA foreign_keys=OFF")
+    try:
+        with conn.begin():
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            yield
+            dangling = conn.exec_driver_sql("PRAGMA foreign_key_check").all()
+            if dangling:
+                shown = "; ".join(
+                    f"{table} row {rowid} refers to a missing {parent} row"
+                    for table, rowid, parent, _fk in dangling[:5]
+                )
+                more = f" (and {len(dangling) - 5} more)" if len(dangling) > 5 else ""
+                raise RuntimeError(f"the migrated schema breaks foreign keys: {shown}{more}")
+    finally:
+        # The connection is closed right after (NullPool); this is hygiene, never worth
+        # hiding the migration's own error for.
+        with suppress(sqlite3.Error):
+            raw.execute("PRAGMA foreign_keys=ON")
+            raw.isolation_level = previous
 
 
 def _sqlite_path(db: Database) -> Path | None:
