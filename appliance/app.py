@@ -20,7 +20,7 @@ from litestar.exceptions import (
 )
 from litestar.middleware import DefineMiddleware
 from litestar.openapi import OpenAPIConfig
-from litestar.openapi.plugins import SwaggerRenderPlugin
+from litestar.openapi.plugins import JsonRenderPlugin
 from litestar.plugins.jinja import JinjaTemplateEngine
 from litestar.response import Redirect, Template
 from litestar.static_files import create_static_files_router
@@ -148,7 +148,9 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
         ),
         openapi_config=OpenAPIConfig(
             title="appliance admin API", version=__version__, path="/api/v1/schema",
-            render_plugins=[SwaggerRenderPlugin()],
+            # JSON only: every HTML renderer Litestar ships loads its script from a CDN, and
+            # this box may be air-gapped.
+            render_plugins=[JsonRenderPlugin()],
         ),
         exception_handlers={
             ApplianceError: _on_appliance_error,

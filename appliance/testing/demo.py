@@ -37,7 +37,7 @@ def main() -> int:
         "",
         "  Kimi K3 appliance — demo (state in ./.appliance/; delete it to start over)",
         f"  Console:  http://{server.host}:{server.port}/",
-        f"  API:      http://{server.host}:{server.port}/api/v1/schema/swagger",
+        f"  API:      http://{server.host}:{server.port}/api/v1/schema/openapi.json",
     ]
     if credential.exists():
         lines += [
