@@ -10,11 +10,11 @@ from typing import Annotated, Any
 from litestar import Request, Router, delete, get, post
 from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 
-from appliance.auditing import audit
 from appliance.auth.accounts import Admin
 from appliance.auth.guards import password_current
 from appliance.auth.middleware import AuthInfo, client_address
-from appliance.auth.tokens import TokenInfo, create_token, list_tokens, revoke_token
+from appliance.auth.token_actions import issue_token, withdraw_token
+from appliance.auth.tokens import TokenInfo, list_tokens
 from appliance.config import describe
 from appliance.db.journal import SEVERITIES, AuditRecord, EventRecord, list_audit, list_events
 from appliance.errors import ApplianceError
@@ -136,37 +136,22 @@ async def get_tokens(request: AdminRequest) -> list[TokenInfo]:
 @post("/tokens", summary="Create an admin API token; the token is returned only here")
 async def post_token(request: AdminRequest, data: JSONBody[TokenCreate]) -> TokenCreated:
     runtime = _runtime(request)
-    now = runtime.clock.now()
     expires = data.expires_at
     if expires is not None and expires.tzinfo is None:
         expires = expires.replace(tzinfo=dt.UTC)
-    token, info = await runtime.db.run(
-        lambda s: create_token(s, runtime.secret, request.user, data.name, now, expires)
-    )
-    await audit(
-        runtime,
-        actor=request.user.username,
-        address=client_address(request),
-        action="token.create",
-        target=info.prefix,
-        detail={"name": info.name, "via": request.auth.kind},
+    token, info = await issue_token(
+        runtime, request.user, name=data.name, expires_at=expires,
+        address=client_address(request), via=f"api:{request.auth.kind}",
     )
     return TokenCreated(token, info)
 
 
 @delete("/tokens/{prefix:str}", status_code=200, summary="Revoke an admin API token")
 async def delete_token(request: AdminRequest, prefix: FromPath[str]) -> TokenInfo:
-    runtime = _runtime(request)
-    info = await runtime.db.run(lambda s: revoke_token(s, prefix, runtime.clock.now()))
-    await audit(
-        runtime,
-        actor=request.user.username,
-        address=client_address(request),
-        action="token.revoke",
-        target=prefix,
-        detail={"via": request.auth.kind},
+    return await withdraw_token(
+        _runtime(request), request.user, prefix=prefix, address=client_address(request),
+        via=f"api:{request.auth.kind}",
     )
-    return info
 
 
 def api_router() -> Router:

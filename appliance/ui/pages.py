@@ -15,10 +15,10 @@ from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, FromQuery, QueryParameter, URLEncodedBody
 from litestar.response import Redirect, Template
 
-from appliance.auditing import audit
 from appliance.auth.guards import PasswordChangeRequired, password_current
 from appliance.auth.middleware import client_address
-from appliance.auth.tokens import create_token, list_tokens, revoke_token
+from appliance.auth.token_actions import issue_token, withdraw_token
+from appliance.auth.tokens import list_tokens
 from appliance.config import describe
 from appliance.db.journal import SEVERITIES, list_audit, list_events
 from appliance.errors import ApplianceError
@@ -164,26 +164,14 @@ async def create_token_ui(
             if days <= 0:
                 raise ValueError
             expires = now + dt.timedelta(days=days)
-        name = data.name.strip()
-        created = await runtime.db.run(
-            lambda s: create_token(s, runtime.secret, request.user, name, now, expires)
+        created = await issue_token(
+            runtime, request.user, name=data.name.strip(), expires_at=expires,
+            address=client_address(request), via="console",
         )
     except ValueError:
         error = "Expiry must be a whole number of days, or empty for none."
     except ApplianceError as exc:
         error = f"{exc.message}; {exc.hint}."
-    if created is not None:
-        await audit(
-            runtime,
-            actor=request.user.username,
-            address=client_address(request),
-            action="token.create",
-            target=created[1].prefix,
-            detail={
-                "name": created[1].name,
-                "expires_at": expires.isoformat() if expires else None,
-            },
-        )
     tokens = await runtime.db.run(list_tokens)
     return Template(
         "partials/tokens.html",
@@ -201,15 +189,8 @@ async def create_token_ui(
 async def revoke_token_ui(request: AdminRequest, prefix: FromPath[str]) -> Template:
     runtime = runtime_of(request)
     now = runtime.clock.now()
-    info = await runtime.db.run(lambda s: revoke_token(s, prefix, now))
-    await audit(
-        runtime,
-        actor=request.user.username,
-        address=client_address(request),
-        action="token.revoke",
-        target=prefix,
-        detail={"name": info.name},
-    )
+    await withdraw_token(runtime, request.user, prefix=prefix,
+                         address=client_address(request), via="console")
     tokens = await runtime.db.run(list_tokens)
     return Template(
         "partials/tokens.html", context={"tokens": tokens, "now": now, "error": "", "created": None}
