@@ -32,7 +32,7 @@ from appliance.runtime import Runtime, build_runtime
 from appliance.testing.clock import FakeClock
 
 PASSWORD = "correct horse battery staple"
-POSTGRES_URL = os.environ.get("APPLIANCE_TEST_POSTGRES_URL", "")
+POSTGRES_URL = os.environ.get("TEST_APPLIANCE_POSTGRES_URL", "")
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -52,9 +52,9 @@ def make_config(root: Path, **env: str) -> Config:
 def postgres_database() -> Iterator[str]:
     """A fresh, empty PostgreSQL database for one test; dropped afterwards."""
     if not POSTGRES_URL:
-        if os.environ.get("APPLIANCE_TEST_REQUIRE_POSTGRES"):
-            pytest.fail("APPLIANCE_TEST_REQUIRE_POSTGRES is set but no APPLIANCE_TEST_POSTGRES_URL")
-        pytest.skip("no PostgreSQL server (CI sets APPLIANCE_TEST_POSTGRES_URL)")
+        if os.environ.get("TEST_APPLIANCE_REQUIRE_POSTGRES"):
+            pytest.fail("TEST_APPLIANCE_REQUIRE_POSTGRES is set but no TEST_APPLIANCE_POSTGRES_URL")
+        pytest.skip("no PostgreSQL server (CI sets TEST_APPLIANCE_POSTGRES_URL)")
     name = f"appliance_test_{uuid.uuid4().hex[:12]}"
     admin = create_engine(POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://", 1),
                           isolation_level="AUTOCOMMIT")

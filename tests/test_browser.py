@@ -5,7 +5,7 @@ rendered, htmx swaps and pushed URLs, hx-confirm dialogs. Each test gets its own
 (the `server` fixture) and a fresh browser context (no shared cookies); the browser process
 itself is shared by the module.
 
-Skipped when /usr/bin/chromium or Playwright is missing, unless APPLIANCE_TEST_REQUIRE_BROWSER
+Skipped when /usr/bin/chromium or Playwright is missing, unless TEST_APPLIANCE_REQUIRE_BROWSER
 is set (CI sets it), in which case that is a failure. With APPLIANCE_SHOTS set, screenshots of
 the dashboard and the settings page are written to /tmp/appliance-shots/.
 """
@@ -25,6 +25,7 @@ from appliance import __version__
 from appliance.auth.accounts import authenticate
 from appliance.db.journal import AuditRecord, add_audit, list_audit
 from appliance.runtime import Runtime
+from appliance.testing.clock import FakeClock
 from tests.conftest import PASSWORD, LiveServer, add_admin
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -44,8 +45,8 @@ TOKEN_RE = re.compile(r"^apt_[0-9a-f]{8}_[A-Za-z0-9_-]{43}$")
 
 def _unavailable(reason: str) -> None:
     """Skip this module, or fail it when the environment promises a browser."""
-    if os.environ.get("APPLIANCE_TEST_REQUIRE_BROWSER"):
-        pytest.fail(f"APPLIANCE_TEST_REQUIRE_BROWSER is set but {reason}", pytrace=False)
+    if os.environ.get("TEST_APPLIANCE_REQUIRE_BROWSER"):
+        pytest.fail(f"TEST_APPLIANCE_REQUIRE_BROWSER is set but {reason}", pytrace=False)
     pytest.skip(f"browser tests skipped: {reason}", allow_module_level=True)
 
 
@@ -133,8 +134,10 @@ def same_document(page: Page) -> bool:
     return bool(page.evaluate("window.__applianceMark === 'kept'"))
 
 
-def audit_entries(runtime: Runtime, **filters: str) -> list[AuditRecord]:
-    return runtime.db.call(lambda s: list_audit(s, per_page=500, **filters)).items
+def audit_entries(runtime: Runtime, *, action: str, outcome: str) -> list[AuditRecord]:
+    """The audit log as stored (not as the page shows it), newest first."""
+    return runtime.db.call(
+        lambda s: list_audit(s, action=action, outcome=outcome, per_page=500)).items
 
 
 def test_bootstrap_admin_logs_in_changes_password_and_reaches_dashboard(
@@ -233,6 +236,27 @@ def test_audit_filter_swaps_rows_with_htmx(runtime: Runtime, alice: Page) -> Non
     expect(page.get_by_role("heading", name="Audit log")).to_have_count(1)
 
 
+def test_htmx_request_after_session_expiry_goes_to_login_and_back(
+    runtime: Runtime, clock: FakeClock, alice: Page, server: LiveServer
+) -> None:
+    """An htmx swap on an expired session sends the whole tab to /login, then back."""
+    page = alice
+    page.goto("/audit")
+    expect(page.locator("#audit-rows tbody tr")).to_have_count(1)
+    idle = runtime.config.auth.session_idle_minutes * 60
+    clock.advance(idle + 1)
+
+    page.get_by_label("Outcome").select_option("failed")
+
+    expect(page).to_have_url(f"{server.base_url}/login?next=/audit")
+    expect(page.locator("#audit-rows")).to_have_count(0)
+    page.get_by_label("Username").fill("alice")
+    page.get_by_label("Password", exact=True).fill(PASSWORD)
+    page.get_by_role("button", name="Log in").click()
+    expect(page).to_have_url(f"{server.base_url}/audit")
+    expect(page.get_by_role("heading", name="Audit log")).to_be_visible()
+
+
 def test_api_token_created_shown_once_used_and_revoked(
     alice: Page, server: LiveServer
 ) -> None:
@@ -266,7 +290,8 @@ def test_api_token_created_shown_once_used_and_revoked(
         expect(row).to_be_visible()
         expect(page.locator("#new-token")).to_have_count(0)
         assert token not in page.content()
-        expect(row).to_contain_text(re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC"))
+        last_used = row.locator("td").nth(4)
+        expect(last_used).to_have_text(re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC$"))
         shot(page, "settings")
 
         dialogs: list[str] = []

@@ -97,7 +97,8 @@ async def login(
         s, admin, now, runtime.session_policy, address=address,
         user_agent=request.headers.get("user-agent", ""),
     ))
-    await audit(runtime, actor=admin.username, address=address, action="auth.login")
+    await audit(runtime, actor=admin.username, address=address, action="auth.login",
+                target=admin.username)
     destination = "/account/password" if admin.must_change_password else target
     return Redirect(destination, status_code=303, cookies=[session_cookie(runtime, token)])
 
