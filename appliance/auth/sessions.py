@@ -21,6 +21,10 @@ from appliance.auth.accounts import Admin, get_admin
 from appliance.db.models import AdminSession
 
 COOKIE_NAME = "appliance_session"
+# Sliding the idle deadline is a write (an fsync on SQLite with synchronous=FULL); the
+# console polls every few seconds, so slide at most this often. Idle expiry is therefore
+# exact to within this interval.
+TOUCH_INTERVAL = dt.timedelta(seconds=30)
 
 
 @dataclass(frozen=True)
@@ -68,8 +72,9 @@ def resolve_session(
     admin = get_admin(session, row.user_id)
     if admin is None:
         return None
-    row.last_seen_at = now
-    row.expires_at = min(now + policy.idle, row.created_at + policy.absolute)
+    if now - row.last_seen_at >= TOUCH_INTERVAL or now < row.last_seen_at:
+        row.last_seen_at = now
+        row.expires_at = min(now + policy.idle, row.created_at + policy.absolute)
     return LiveSession(row.id, admin, row.created_at, row.expires_at)
 
 

@@ -19,6 +19,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from appliance.auth.accounts import Admin, get_admin
+from appliance.auth.sessions import TOUCH_INTERVAL
 from appliance.db.models import ApiToken
 from appliance.errors import ApplianceError
 
@@ -114,5 +115,6 @@ def resolve_token(
     admin = get_admin(session, row.user_id)
     if admin is None:
         return None
-    row.last_used_at = now
+    if row.last_used_at is None or abs(now - row.last_used_at) >= TOUCH_INTERVAL:
+        row.last_used_at = now  # at most one write per interval, as for sessions
     return admin, _info(row, admin.username)
