@@ -160,6 +160,7 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
             Exception: _on_unexpected,
         },
         request_max_body_size=MAX_BODY_BYTES,
+        logging_config=None,  # `main()` configures logging once, for the journal
         on_startup=[lambda: _start(runtime)],
         on_shutdown=[lambda: _stop(runtime)],
         debug=debug,

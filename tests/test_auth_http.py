@@ -371,3 +371,11 @@ def test_audit_and_events_api_pages(logged_in: Console, runtime: Runtime) -> Non
     bad = logged_in.http.get("/api/v1/events", params={"severity": "loud"})
     assert bad.status_code == 400 and "use one of" in bad.json()["hint"]
     assert logged_in.http.get("/api/v1/audit", params={"page": 0}).status_code == 400
+
+
+def test_admin_accounts_are_listed_without_secrets(logged_in: Console) -> None:
+    admins = logged_in.http.get("/api/v1/admins").json()
+    assert [a["username"] for a in admins] == ["alice"]
+    assert not any("hash" in key or key == "password" for key in admins[0])
+    page = logged_in.http.get("/settings").text
+    assert "Admin accounts" in page and "alice" in page and "argon2" not in page

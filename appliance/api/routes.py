@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from litestar import Request, Router, delete, get, post
 from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 
-from appliance.auth.accounts import Admin
+from appliance.auth.accounts import Admin, list_admins
 from appliance.auth.guards import password_current
 from appliance.auth.middleware import AuthInfo, client_address
 from appliance.auth.token_actions import issue_token, withdraw_token
@@ -128,6 +128,11 @@ async def get_settings(request: AdminRequest) -> list[Setting]:
     return [Setting(*row) for row in describe(_runtime(request).config)]
 
 
+@get("/admins", summary="Admin accounts (never their password hashes)")
+async def get_admins(request: AdminRequest) -> list[Admin]:
+    return await _runtime(request).db.run(list_admins)
+
+
 @get("/tokens", summary="Admin API tokens (never the secret part)")
 async def get_tokens(request: AdminRequest) -> list[TokenInfo]:
     return await _runtime(request).db.run(list_tokens)
@@ -163,6 +168,7 @@ def api_router() -> Router:
             get_audit,
             get_events,
             get_settings,
+            get_admins,
             get_tokens,
             post_token,
             delete_token,

@@ -15,6 +15,7 @@ from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, FromQuery, QueryParameter, URLEncodedBody
 from litestar.response import Redirect, Template
 
+from appliance.auth.accounts import list_admins
 from appliance.auth.guards import PasswordChangeRequired, password_current
 from appliance.auth.middleware import client_address
 from appliance.auth.token_actions import issue_token, withdraw_token
@@ -129,9 +130,11 @@ async def events_page(
 async def settings_page(request: AdminRequest) -> Template:
     runtime = runtime_of(request)
     tokens = await runtime.db.run(list_tokens)
+    admins = await runtime.db.run(list_admins)
     return Template(
         "pages/settings.html",
         context={
+            "admins": admins,
             "rows": describe(runtime.config),
             "source": runtime.config.source,
             "tokens": tokens,
