@@ -8,6 +8,7 @@ partial for the console.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 from litestar import Litestar, Request, Response, get
@@ -27,6 +28,7 @@ from litestar.static_files import create_static_files_router
 from litestar.template import TemplateConfig
 
 from appliance import __version__
+from appliance.api.engine import engine_router
 from appliance.api.routes import api_router
 from appliance.auth.middleware import CSRF_COOKIE, PUBLIC_PATHS, AdminAuthMiddleware
 from appliance.errors import ApplianceError
@@ -34,7 +36,7 @@ from appliance.hostguard import HostGuard
 from appliance.housekeeping import schedule_housekeeping
 from appliance.resources import static_dir, templates_dir
 from appliance.runtime import Runtime
-from appliance.ui.pages import ui_handlers
+from appliance.ui.routes import ui_handlers
 from appliance.ui.templating import configure_templates
 
 log = logging.getLogger(__name__)
@@ -137,6 +139,7 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
             healthz,
             *ui_handlers(),
             api_router(),
+            engine_router(),
             create_static_files_router(path="/static", directories=[static_dir()],
                                        include_in_schema=False),
         ],
@@ -161,21 +164,24 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
         },
         request_max_body_size=MAX_BODY_BYTES,
         logging_config=None,  # `main()` configures logging once, for the journal
-        on_startup=[lambda: _start(runtime)],
-        on_shutdown=[lambda: _stop(runtime)],
+        on_startup=[partial(_start, runtime)],
+        on_shutdown=[partial(_stop, runtime)],
         debug=debug,
     )
     app.state.runtime = runtime
     return app
 
 
-def _start(runtime: Runtime) -> None:
+async def _start(runtime: Runtime) -> None:
     schedule_housekeeping(runtime)
     if not runtime.scheduler.running:
         runtime.scheduler.start()
+    await runtime.supervisor.start_service()
 
 
-def _stop(runtime: Runtime) -> None:
+async def _stop(runtime: Runtime) -> None:
+    # The engine keeps running: only the daemon's watching stops (it is adopted next start).
+    await runtime.supervisor.stop_service()
     if runtime.scheduler.running:
         runtime.scheduler.shutdown(wait=False)
 

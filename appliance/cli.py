@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from appliance import __version__
 from appliance.config import Config, load_config
@@ -38,6 +38,11 @@ def _operator() -> str:
 
 
 def cmd_serve(args: argparse.Namespace, config: Config) -> int:
+    return serve(config)
+
+
+def serve(config: Config, **overrides: Any) -> int:
+    """Run the control plane; `overrides` go to `build_runtime` (the demo's fake GPUs)."""
     from appliance.auth.bootstrap import ensure_first_admin
     from appliance.db.schema import check_schema
     from appliance.lock import InstanceLock
@@ -47,7 +52,7 @@ def cmd_serve(args: argparse.Namespace, config: Config) -> int:
     lock = InstanceLock(config.paths.state_dir)
     lock.acquire()
     try:
-        runtime = build_runtime(config)
+        runtime = build_runtime(config, **overrides)
         check_schema(runtime.db, runtime.migrations)
         now = runtime.clock.now()
         created = runtime.db.call(lambda s: ensure_first_admin(s, config.paths.state_dir, now))
@@ -238,11 +243,22 @@ def build_parser() -> argparse.ArgumentParser:
     token_sub.add_parser("list", parents=[common])
     revoke = token_sub.add_parser("revoke", parents=[common])
     revoke.add_argument("prefix")
+
+    from appliance.engine import cli as engine_cli
+
+    engine_cli.add_parser(sub, common)
     return parser
+
+
+def cmd_engine(args: argparse.Namespace, config: Config) -> int:
+    from appliance.engine import cli as engine_cli
+
+    return engine_cli.run(args, config)
 
 
 HANDLERS: dict[str, Handler] = {
     "serve": cmd_serve, "migrate": cmd_migrate, "admin": cmd_admin, "token": cmd_token,
+    "engine": cmd_engine,
 }
 
 
@@ -251,11 +267,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Files the appliance creates (database, backups, logs) are not world-readable.
     os.umask(0o027)
     try:
+        if args.command == "engine" and args.engine_command == "parse-log":
+            from appliance.engine import cli as engine_cli
+
+            # A log someone sent needs no daemon and no configuration to be read.
+            return engine_cli.parse_log(args.file, as_json=args.json)
         config = load_config(getattr(args, "config", None), dev=getattr(args, "dev", False))
         logging.basicConfig(level=config.logging.level.upper(),
                             format="%(levelname)s %(name)s: %(message)s")
         # Alembic narrates every connection at INFO; `migrate` prints its own summary.
         logging.getLogger("alembic").setLevel(logging.WARNING)
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
         return HANDLERS[args.command](args, config)
     except ApplianceError as exc:
         print(f"appliance: {exc.as_text()}", file=sys.stderr)

@@ -12,8 +12,10 @@ the same keys; `tests/test_config.py` keeps the two in step.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
+import sys
 import tempfile
 import tomllib
 from collections.abc import Callable, Mapping
@@ -147,6 +149,77 @@ class LoggingConfig:
     level: str = _key("INFO", _level, "DEBUG, INFO, WARNING or ERROR")
 
 
+def _runner(value: str) -> str | None:
+    return None if value in ("systemd", "process") else "systemd or process"
+
+
+def _fraction(value: float) -> str | None:
+    return None if 0.0 < value < 1.0 else "a number between 0 and 1 (exclusive)"
+
+
+def _positive_float(value: float) -> str | None:
+    return None if math.isfinite(value) and value > 0 else "a positive number"
+
+
+def _nonnegative(value: int) -> str | None:
+    return None if value >= 0 else "zero or a positive integer"
+
+
+def _repo_id(value: str) -> str | None:
+    part = r"[A-Za-z0-9][\w.-]{0,95}"
+    ok = re.fullmatch(f"{part}/{part}", value) and ".." not in value
+    return None if ok else "a Hub repo id like moonshotai/Kimi-K3 (org/name, no '..')"
+
+
+def _kv_dtype(value: str) -> str | None:
+    from appliance.engine.flags import KV_CACHE_DTYPES  # the pinned SGLang's choices
+
+    return None if value in KV_CACHE_DTYPES else "one of " + ", ".join(KV_CACHE_DTYPES)
+
+
+def _command(value: tuple[str, ...]) -> str | None:
+    return None if value and value[0] else "a non-empty list: the program, then its arguments"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The SGLang engine: how it is launched, where it listens, how it is supervised."""
+
+    runner: str = _key("systemd", _runner,
+                       "systemd (appliance-engine.service) or process (dev, demo, CI)")
+    command: tuple[str, ...] = _key(
+        ("/opt/appliance/engine/bin/sglang",), _command,
+        "the engine program and leading arguments; `serve` and the flags follow",
+    )
+    venv: Path | None = _key(Path("/opt/appliance/engine"), _absolute,
+                             "engine virtual environment, used to validate the argv")
+    model: str = _key("moonshotai/Kimi-K3", _repo_id,
+                      doc="Hub repo id; the files live in models_dir/<org>--<name>")
+    served_model_name: str = _key("kimi-k3", doc="model name clients use")
+    port: int = _key(30000, _port, "engine port on 127.0.0.1 (internal; the gateway fronts it)")
+    tp_size: int = _key(8, _positive, "tensor parallel size (GPUs)")
+    dcp_size: int = _key(8, _positive, "decode context parallel size")
+    mem_fraction_static: float = _key(0.93, _fraction, "--mem-fraction-static")
+    mamba_full_memory_ratio: float = _key(0.9, _positive_float,
+                                          "state:KV memory split (the tuning issue sets it)")
+    kv_cache_dtype: str = _key("fp8_e4m3", _kv_dtype, "--kv-cache-dtype")
+    speculative: bool = _key(False, doc="DSPARK speculative decoding")
+    extra_args: tuple[str, ...] = _key((), doc="operator flags appended to the argv")
+    hung_after_minutes: int = _key(15, _positive,
+                                   "a load is hung only when no progress signal moved this long")
+    max_retries: int = _key(3, _nonnegative, "crash retries before FAILED")
+    drain_seconds: int = _key(300, _nonnegative, "how long a stop waits for in-flight requests")
+    kill_after_seconds: int = _key(60, _positive, "SIGTERM to SIGKILL of the process group")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuConfig:
+    """The box this appliance expects: any deviation is a finding."""
+
+    expected_count: int = _key(8, _nonnegative, "GPUs the engine needs")
+    expected_model: str = _key("B300", doc="text every GPU's name must contain")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """The whole configuration; `source` says where it came from, for messages."""
@@ -156,6 +229,8 @@ class Config:
     database: DatabaseConfig = dataclasses.field(default_factory=DatabaseConfig)
     auth: AuthConfig = dataclasses.field(default_factory=AuthConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    gpu: GpuConfig = dataclasses.field(default_factory=GpuConfig)
     source: str = "built-in defaults"
     dev: bool = False
 
@@ -174,6 +249,8 @@ SECTIONS: dict[str, type[Any]] = {
     "database": DatabaseConfig,
     "auth": AuthConfig,
     "logging": LoggingConfig,
+    "engine": EngineConfig,
+    "gpu": GpuConfig,
 }
 
 
@@ -181,6 +258,14 @@ def dev_paths(root: Path) -> dict[str, Path]:
     """The `--dev` profile: everything under one folder (default `./.appliance/`)."""
     root = root.absolute()
     return {"state_dir": root / "state", "models_dir": root / "models", "log_dir": root / "log"}
+
+
+# The dev profile runs the engine emulator as a detached process (no systemd, no GPU).
+DEV_ENGINE: dict[str, Any] = {
+    "runner": "process",
+    "command": (sys.executable, "-m", "appliance.testing.fake_sglang"),
+    "venv": None,
+}
 
 
 def load_config(
@@ -208,6 +293,7 @@ def load_config(
     values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     if dev:
         values["paths"].update(dev_paths(dev_root))
+        values["engine"].update(DEV_ENGINE)
     for section, body in raw.items():
         if section not in SECTIONS:
             raise ConfigError(
@@ -305,6 +391,26 @@ def _coerce(source: str, dotted: str, hint: Any, value: Any, from_env: bool) -> 
         if not isinstance(value, str):
             raise wrong("a string")
         return value
+    if hint is float:
+        if from_env and isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                raise wrong("a number") from None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise wrong("a number")
+        return float(value)
+    if hint is bool:
+        if from_env and isinstance(value, str):
+            word = value.strip().lower()
+            if word in ("1", "true", "yes", "on"):
+                return True
+            if word in ("0", "false", "no", "off"):
+                return False
+            raise wrong("true or false")
+        if not isinstance(value, bool):
+            raise wrong("true or false")
+        return value
     if hint == tuple[str, ...]:  # a TOML list, or comma-separated in the environment
         if from_env and isinstance(value, str):
             return tuple(item.strip() for item in value.split(",") if item.strip())
@@ -322,6 +428,11 @@ def _coerce(source: str, dotted: str, hint: Any, value: Any, from_env: bool) -> 
 
 def _cross_check(config: Config) -> None:
     server = config.server
+    if config.engine.port == server.port:
+        raise ConfigError(
+            config.source, "engine.port", f"{config.engine.port}, the same as server.port",
+            "a port of its own (the engine listens on 127.0.0.1 beside the console)",
+        )
     if (server.tls_cert is None) != (server.tls_key is None):
         raise ConfigError(
             config.source,

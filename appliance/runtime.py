@@ -19,6 +19,12 @@ from appliance.auth.throttle import LoginThrottle
 from appliance.clock import Clock, SystemClock
 from appliance.config import Config
 from appliance.db.database import Database
+from appliance.engine.client import EngineClient
+from appliance.engine.runner import EngineRunner, ProcessRunner
+from appliance.engine.supervisor import Supervisor
+from appliance.engine.systemd_runner import SystemdRunner
+from appliance.gpu.nvml import NvmlGpus
+from appliance.gpu.port import GpuPort
 from appliance.resources import migrations_dir
 from appliance.secrets import server_secret
 
@@ -32,6 +38,8 @@ class Runtime:
     secret: bytes
     scheduler: AsyncIOScheduler
     migrations: Path
+    gpus: GpuPort
+    supervisor: Supervisor
     version: str = __version__
     started_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
     started_monotonic: float = 0.0
@@ -63,18 +71,37 @@ def new_scheduler() -> AsyncIOScheduler:
     )
 
 
+def engine_runner(config: Config) -> EngineRunner:
+    """The runner the configuration asks for (production: systemd; dev, demo, CI: process)."""
+    state_dir = config.paths.state_dir
+    if config.engine.runner == "systemd":
+        return SystemdRunner(state_dir, config.paths.log_dir / "engine.log")
+    return ProcessRunner(state_dir)
+
+
 def build_runtime(
     config: Config,
     *,
     clock: Clock | None = None,
     db: Database | None = None,
     migrations: Path | None = None,
+    gpus: GpuPort | None = None,
+    runner: EngineRunner | None = None,
+    engine_poll_seconds: float = 1.0,
+    engine_backoff_seconds: float = 30.0,
 ) -> Runtime:
     clock = clock or SystemClock()
+    db = db or Database(config.database_url)
+    gpus = gpus or NvmlGpus()
+    supervisor = Supervisor(
+        config=config, db=db, clock=clock, runner=runner or engine_runner(config), gpus=gpus,
+        client=EngineClient(f"http://127.0.0.1:{config.engine.port}"),
+        poll_interval=engine_poll_seconds, backoff_base=engine_backoff_seconds,
+    )
     return Runtime(
         config=config,
         clock=clock,
-        db=db or Database(config.database_url),
+        db=db,
         throttle=LoginThrottle(
             clock,
             max_failures=config.auth.login_max_failures,
@@ -83,6 +110,8 @@ def build_runtime(
         secret=server_secret(config.paths.state_dir),
         scheduler=new_scheduler(),
         migrations=migrations or migrations_dir(),
+        gpus=gpus,
+        supervisor=supervisor,
         started_at=clock.now(),
         started_monotonic=clock.monotonic(),
     )

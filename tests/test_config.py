@@ -10,6 +10,7 @@ that dir; a case may instead give the file's raw text or bytes.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import os
 import re
 import subprocess
@@ -99,7 +100,8 @@ BAD: list[Any] = [
     pytest.param("[server]\nport = = 1\n", {}, FILE, "", "line 2, column", "valid TOML syntax",
                  id="toml-syntax"),
     pytest.param({"nope": {"a": "1"}}, {}, FILE, "nope", "unknown section [nope]",
-                 "one of server, paths, database, auth, logging", id="unknown-section"),
+                 "one of server, paths, database, auth, logging, engine, gpu",
+                 id="unknown-section"),
     pytest.param("server = 5\n", {}, FILE, "server", "int", "a [server] table",
                  id="section-not-a-table"),
     pytest.param({"server": {"prot": "8080"}}, {}, FILE, "server.prot", "an unknown key",
@@ -185,6 +187,80 @@ BAD: list[Any] = [
     pytest.param({}, {"APPLIANCE_DATABASE_URL": "postgresql://app:hunter2@db:x/app"},
                  "APPLIANCE_DATABASE_URL", "database.url", "'postgresql://***@db:x/app'",
                  "postgresql://", id="env-db-url-bad-port"),
+    # [engine] and [gpu]
+    pytest.param({"engine": {"runner": '"docker"'}}, {}, FILE, "engine.runner", "'docker'",
+                 "systemd or process", id="engine-runner-docker"),
+    pytest.param({"engine": {"runner": '"Process"'}}, {}, FILE, "engine.runner", "'Process'",
+                 "systemd or process", id="engine-runner-case"),
+    pytest.param({"engine": {"command": "[]"}}, {}, FILE, "engine.command", "[]",
+                 "a non-empty list", id="engine-command-empty"),
+    pytest.param({"engine": {"command": '["", "serve"]'}}, {}, FILE, "engine.command",
+                 "['', 'serve']", "a non-empty list", id="engine-command-blank-program"),
+    pytest.param({"engine": {"command": '"/opt/sglang"'}}, {}, FILE, "engine.command",
+                 "'/opt/sglang' (str)", "a list of strings", id="engine-command-string"),
+    pytest.param({"engine": {"venv": '"opt/engine"'}}, {}, FILE, "engine.venv",
+                 "'opt/engine'", "an absolute path", id="engine-venv-relative"),
+    pytest.param({"engine": {"mem_fraction_static": "0"}}, {}, FILE,
+                 "engine.mem_fraction_static", "0", "a number between 0 and 1 (exclusive)",
+                 id="mem-fraction-0"),
+    pytest.param({"engine": {"mem_fraction_static": "1"}}, {}, FILE,
+                 "engine.mem_fraction_static", "1", "a number between 0 and 1 (exclusive)",
+                 id="mem-fraction-1"),
+    pytest.param({"engine": {"mem_fraction_static": "1.5"}}, {}, FILE,
+                 "engine.mem_fraction_static", "1.5", "a number between 0 and 1 (exclusive)",
+                 id="mem-fraction-1.5"),
+    pytest.param({"engine": {"mem_fraction_static": '"x"'}}, {}, FILE,
+                 "engine.mem_fraction_static", "'x' (str)", "a number", id="mem-fraction-str"),
+    pytest.param({"engine": {"mem_fraction_static": '"0.9"'}}, {}, FILE,
+                 "engine.mem_fraction_static", "'0.9' (str)", "a number",
+                 id="mem-fraction-quoted"),
+    pytest.param({"engine": {"mem_fraction_static": "true"}}, {}, FILE,
+                 "engine.mem_fraction_static", "True (bool)", "a number",
+                 id="mem-fraction-bool"),
+    pytest.param({"engine": {"mamba_full_memory_ratio": "0"}}, {}, FILE,
+                 "engine.mamba_full_memory_ratio", "0", "a positive number",
+                 id="mamba-ratio-0"),
+    pytest.param({"engine": {"mamba_full_memory_ratio": "-1"}}, {}, FILE,
+                 "engine.mamba_full_memory_ratio", "-1", "a positive number",
+                 id="mamba-ratio-negative"),
+    pytest.param({"engine": {"speculative": '"yes"'}}, {}, FILE, "engine.speculative",
+                 "'yes' (str)", "true or false", id="speculative-string-in-toml"),
+    pytest.param({"engine": {"speculative": "1"}}, {}, FILE, "engine.speculative",
+                 "1 (int)", "true or false", id="speculative-int-in-toml"),
+    pytest.param({"engine": {"port": "70000"}}, {}, FILE, "engine.port", "70000",
+                 "an integer from 1 to 65535", id="engine-port-70000"),
+    pytest.param({"engine": {"tp_size": "0"}}, {}, FILE, "engine.tp_size", "0",
+                 "a positive integer", id="engine-tp-size-0"),
+    pytest.param({"engine": {"max_retries": "-1"}}, {}, FILE, "engine.max_retries", "-1",
+                 "zero or a positive integer", id="engine-max-retries-negative"),
+    pytest.param({"engine": {"kill_after_seconds": "0"}}, {}, FILE,
+                 "engine.kill_after_seconds", "0", "a positive integer",
+                 id="engine-kill-after-0"),
+    pytest.param({"gpu": {"expected_count": "-1"}}, {}, FILE, "gpu.expected_count", "-1",
+                 "zero or a positive integer", id="gpu-count-negative"),
+    pytest.param({"gpu": {"expected_count": "8.0"}}, {}, FILE, "gpu.expected_count",
+                 "8.0 (float)", "an integer", id="gpu-count-float"),
+    pytest.param({"gpu": {"expected_model": "300"}}, {}, FILE, "gpu.expected_model",
+                 "300 (int)", "a string", id="gpu-model-int"),
+    pytest.param({}, {"APPLIANCE_ENGINE_SPECULATIVE": "maybe"}, "APPLIANCE_ENGINE_SPECULATIVE",
+                 "engine.speculative", "'maybe' (str)", "true or false", id="env-bool-maybe"),
+    pytest.param({}, {"APPLIANCE_ENGINE_SPECULATIVE": ""}, "APPLIANCE_ENGINE_SPECULATIVE",
+                 "engine.speculative", "'' (str)", "true or false", id="env-bool-empty"),
+    pytest.param({}, {"APPLIANCE_ENGINE_MEM_FRACTION_STATIC": "x"},
+                 "APPLIANCE_ENGINE_MEM_FRACTION_STATIC", "engine.mem_fraction_static",
+                 "'x' (str)", "a number", id="env-float-x"),
+    pytest.param({}, {"APPLIANCE_ENGINE_MEM_FRACTION_STATIC": "1.5"},
+                 "APPLIANCE_ENGINE_MEM_FRACTION_STATIC", "engine.mem_fraction_static",
+                 "'1.5'", "a number between 0 and 1 (exclusive)", id="env-float-range"),
+    pytest.param({}, {"APPLIANCE_ENGINE_COMMAND": ""}, "APPLIANCE_ENGINE_COMMAND",
+                 "engine.command", "''", "a non-empty list", id="env-command-empty"),
+    pytest.param({}, {"APPLIANCE_ENGINE_COMMAND": " , "}, "APPLIANCE_ENGINE_COMMAND",
+                 "engine.command", "' , '", "a non-empty list", id="env-command-blanks"),
+    pytest.param({}, {"APPLIANCE_ENGINE_RUNNER": "docker"}, "APPLIANCE_ENGINE_RUNNER",
+                 "engine.runner", "'docker'", "systemd or process", id="env-runner"),
+    pytest.param({}, {"APPLIANCE_GPU_EXPECTED_COUNT": "-1"}, "APPLIANCE_GPU_EXPECTED_COUNT",
+                 "gpu.expected_count", "'-1'", "zero or a positive integer",
+                 id="env-gpu-count-negative"),
 ]
 
 
@@ -284,13 +360,33 @@ WRONG_TYPE: dict[Any, list[str]] = {  # TOML literals no key of that type may ac
                 '["a", true]'],
     Path: ["1", "1.5", "[]", "{}", "true", '["/x"]', '"relative"', '"./x"', '""'],
     Path | None: ["1", "1.5", "[]", "{}", "true", '["/x"]', '"relative"', '"./x"'],
+    float: ['"x"', '"0.5"', '""', "[]", "{}", "true", "false", "[0.5]", "1979-05-27",
+            "07:32:00"],
+    bool: ['"yes"', '"true"', '"on"', '""', "1", "0", "1.0", "[]", "{}", "[true]",
+           "1979-05-27"],
 }
-OUT_OF_RANGE: dict[str, list[str]] = {  # right type, outside what the key's check allows
-    "server.port": ["0", "-1", "65536", "70000", str(2**63)],
-    "auth.*": ["0", "-1", "-9999"],
+POSITIVE_INT = ["0", "-1", "-9999"]
+NON_NEGATIVE_INT = ["-1", "-9999"]
+PORT = ["0", "-1", "65536", "70000", str(2**63)]
+# Right type, outside what the key's check allows. A pattern (fnmatch) names the keys.
+OUT_OF_RANGE: dict[str, list[str]] = {
+    "*.port": PORT,
+    "auth.*": POSITIVE_INT,
     "logging.level": ['"LOUD"', '""', '"INFO "', '"trace"'],
     "database.url": ['"x"', '"mysql://a@b/c"', '"sqlite:"', '"sqlite:///rel.db"',
                      '"sqlite:///:memory:"', '"postgresql+psycopg2://a@b/c"', '"http://x"'],
+    "engine.runner": ['"docker"', '""', '"Systemd"', '"process "', '"systemd,process"'],
+    "engine.command": ["[]", '[""]', '["", "serve"]'],
+    "engine.tp_size": POSITIVE_INT,
+    "engine.dcp_size": POSITIVE_INT,
+    "engine.hung_after_minutes": POSITIVE_INT,
+    "engine.kill_after_seconds": POSITIVE_INT,
+    "engine.max_retries": NON_NEGATIVE_INT,
+    "engine.drain_seconds": NON_NEGATIVE_INT,
+    "engine.mem_fraction_static": ["0", "0.0", "-0.0", "1", "1.0", "1.5", "-0.5", "nan",
+                                   "inf", "-inf"],
+    "engine.mamba_full_memory_ratio": ["0", "0.0", "-0.0", "-1", "-0.5", "nan", "-inf"],
+    "gpu.expected_count": NON_NEGATIVE_INT,
 }
 
 
@@ -298,11 +394,16 @@ def generated_bad_values() -> list[tuple[str, str]]:
     cases = []
     for key in ALL_KEYS:
         cases += [(key, literal) for literal in WRONG_TYPE[HINTS[key]]]
-        section = key.split(".")[0]
-        cases += [(key, literal) for literal in OUT_OF_RANGE.get(key, [])]
-        if section == "auth":
-            cases += [(key, literal) for literal in OUT_OF_RANGE["auth.*"]]
+        for pattern, literals in OUT_OF_RANGE.items():
+            if fnmatch.fnmatchcase(key, pattern):
+                cases += [(key, literal) for literal in literals]
     return cases
+
+
+def test_out_of_range_patterns_name_real_keys() -> None:
+    """A typo in OUT_OF_RANGE would silently test nothing."""
+    unmatched = [p for p in OUT_OF_RANGE if not fnmatch.filter(ALL_KEYS, p)]
+    assert not unmatched
 
 
 def test_generated_bad_values_name_their_key(tmp: Path) -> None:
@@ -324,7 +425,9 @@ def test_generated_bad_values_name_their_key(tmp: Path) -> None:
 
 def test_generated_bad_env_values_name_the_variable(tmp: Path) -> None:
     bad = {int: ["x", "1.5", "", "true", "0x10", "8080a"], Path: ["", "relative", "./x"],
-           Path | None: ["relative", "./x"]}
+           Path | None: ["relative", "./x"],
+           float: ["x", "", "true", "0,5", "0.5.1", "0x1", "1/2", "nan"],
+           bool: ["", "maybe", "2", "-1", "y", "n", "t", "f", "truee", "enabled", "1.0"]}
     failures = []
     for key in ALL_KEYS:
         var = "APPLIANCE_" + key.replace(".", "_").upper()
@@ -396,7 +499,83 @@ GOOD: list[Any] = [
                  id="auth"),
     pytest.param("# only comments\n[paths]\nstate_dir = '{tmp}/s'\nlog_dir = '{tmp}/l'\n", {},
                  {"paths.state_dir": "{tmp}/s", "server.port": 8080}, id="partial-file"),
+    # [engine] and [gpu]
+    pytest.param({}, {}, {"engine.runner": "systemd",
+                          "engine.command": ("/opt/appliance/engine/bin/sglang",),
+                          "engine.venv": Path("/opt/appliance/engine"),
+                          "engine.mem_fraction_static": 0.93, "engine.speculative": False,
+                          "engine.extra_args": (), "gpu.expected_count": 8,
+                          "gpu.expected_model": "B300"}, id="engine-defaults"),
+    pytest.param({"engine": {"runner": '"process"', "command": '["/usr/bin/python3", "-m", "x"]',
+                             "venv": '""'}}, {},
+                 {"engine.runner": "process", "engine.command": ("/usr/bin/python3", "-m", "x"),
+                  "engine.venv": None}, id="engine-process"),
+    pytest.param({"engine": {"extra_args": '["--context-length", "65536", "--enable-metrics"]'}},
+                 {}, {"engine.extra_args": ("--context-length", "65536", "--enable-metrics")},
+                 id="engine-extra-args"),
+    pytest.param({}, {"APPLIANCE_ENGINE_COMMAND": "a,b"}, {"engine.command": ("a", "b")},
+                 id="env-command"),
+    pytest.param({}, {"APPLIANCE_ENGINE_EXTRA_ARGS": "--enable-metrics, --page-size,64"},
+                 {"engine.extra_args": ("--enable-metrics", "--page-size", "64")},
+                 id="env-extra-args"),
+    pytest.param({}, {"APPLIANCE_ENGINE_VENV": ""}, {"engine.venv": None}, id="env-unsets-venv"),
+    pytest.param({"engine": {"mamba_full_memory_ratio": "2", "mem_fraction_static": "0.5"}},
+                 {}, {"engine.mamba_full_memory_ratio": 2.0, "engine.mem_fraction_static": 0.5},
+                 id="float-from-toml-integer"),
+    pytest.param({"engine": {"mamba_full_memory_ratio": "1e-3",
+                             "mem_fraction_static": "0.999"}}, {},
+                 {"engine.mamba_full_memory_ratio": 0.001,
+                  "engine.mem_fraction_static": 0.999}, id="float-edges"),
+    pytest.param({}, {"APPLIANCE_ENGINE_MEM_FRACTION_STATIC": " 0.85 ",
+                      "APPLIANCE_ENGINE_MAMBA_FULL_MEMORY_RATIO": "3"},
+                 {"engine.mem_fraction_static": 0.85, "engine.mamba_full_memory_ratio": 3.0},
+                 id="env-floats"),
+    pytest.param({"engine": {"speculative": "true"}}, {}, {"engine.speculative": True},
+                 id="bool-true"),
+    pytest.param({"engine": {"speculative": "false"}}, {}, {"engine.speculative": False},
+                 id="bool-false"),
+    pytest.param({"engine": {"speculative": "false"}}, {"APPLIANCE_ENGINE_SPECULATIVE": "yes"},
+                 {"engine.speculative": True}, id="env-bool-yes-wins"),
+    pytest.param({"engine": {"port": "30001", "max_retries": "0", "drain_seconds": "0"},
+                  "gpu": {"expected_count": "0", "expected_model": '"H200"'}}, {},
+                 {"engine.port": 30001, "engine.max_retries": 0, "engine.drain_seconds": 0,
+                  "gpu.expected_count": 0, "gpu.expected_model": "H200"}, id="zeros-allowed"),
 ]
+
+ENV_BOOLS = [("1", True), ("true", True), ("TRUE", True), ("Yes", True), ("on", True),
+             (" on ", True), ("0", False), ("false", False), ("False", False), ("no", False),
+             ("OFF", False), ("\tno\n", False)]
+
+
+@pytest.mark.parametrize(("value", "want"), ENV_BOOLS)
+def test_env_bool_spellings(tmp: Path, value: str, want: bool) -> None:
+    opposite = "false" if want else "true"
+    path = write_config(tmp, {"engine": {"speculative": opposite}})
+    config = load_config(path, env={"APPLIANCE_ENGINE_SPECULATIVE": value}, check_dirs=False)
+    assert config.engine.speculative is want
+
+
+def test_floats_are_floats(tmp: Path) -> None:
+    """A TOML integer (or an env integer) given for a number key is held as a float."""
+    path = write_config(tmp, {"engine": {"mamba_full_memory_ratio": "2"}})
+    config = load_config(path, env={}, check_dirs=False)
+    assert type(config.engine.mamba_full_memory_ratio) is float
+    assert config.engine.mamba_full_memory_ratio == 2.0
+    config = load_config(path, env={"APPLIANCE_ENGINE_MAMBA_FULL_MEMORY_RATIO": "4"},
+                         check_dirs=False)
+    assert type(config.engine.mamba_full_memory_ratio) is float
+    assert config.engine.mamba_full_memory_ratio == 4.0
+
+
+@pytest.mark.parametrize(("content", "env"), [
+    pytest.param({"engine": {"mamba_full_memory_ratio": "inf"}}, {}, id="toml-inf"),
+    pytest.param({}, {"APPLIANCE_ENGINE_MAMBA_FULL_MEMORY_RATIO": "inf"}, id="env-inf"),
+    pytest.param({}, {"APPLIANCE_ENGINE_MAMBA_FULL_MEMORY_RATIO": "1e400"}, id="env-1e400"),
+])
+def test_infinite_ratio_is_rejected(tmp: Path, content: Sections, env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(write_config(tmp, content), env=env, check_dirs=False)
+    assert caught.value.key == "engine.mamba_full_memory_ratio"
 
 
 def get_value(config: Config, key: str) -> Any:
@@ -427,6 +606,44 @@ def test_dev_profile_puts_everything_under_its_root(tmp: Path) -> None:
     assert config.paths.log_dir == root / "log"
     assert config.database_url == f"sqlite:///{root / 'state' / 'appliance.db'}"
     assert (root / "state").is_dir() and (root / "log").is_dir()
+
+
+def test_dev_profile_runs_the_engine_emulator(tmp: Path) -> None:
+    config = load_config(dev=True, dev_root=tmp / "dev", env={}, check_dirs=False)
+    assert config.engine.runner == "process"
+    assert config.engine.command == (sys.executable, "-m", "appliance.testing.fake_sglang")
+    assert config.engine.command[-1] == "appliance.testing.fake_sglang"
+    assert config.engine.venv is None
+    # the rest of [engine] and all of [gpu] keep their defaults
+    defaults = type(config.engine)()
+    for field in dataclasses.fields(config.engine):
+        if field.name not in ("runner", "command", "venv"):
+            assert getattr(config.engine, field.name) == getattr(defaults, field.name)
+    assert config.gpu == type(config.gpu)()
+    # without --dev, the production values
+    prod = load_config(write_config(tmp, {}), env={}, check_dirs=False)
+    assert (prod.engine.runner, prod.engine.venv) == ("systemd", Path("/opt/appliance/engine"))
+
+
+def test_file_and_env_override_dev_engine_values(tmp: Path) -> None:
+    path = write_config(tmp, '[engine]\nrunner = "systemd"\nvenv = "{tmp}/venv"\n'
+                             'command = ["{tmp}/venv/bin/sglang"]\n')
+    config = load_config(path, dev=True, dev_root=tmp / "dev", env={}, check_dirs=False)
+    assert config.engine.runner == "systemd"
+    assert config.engine.venv == tmp / "venv"
+    assert config.engine.command == (str(tmp / "venv" / "bin" / "sglang"),)
+    assert config.paths.state_dir == tmp / "dev" / "state"  # the dev paths stay
+    # a file setting only one engine key leaves the dev profile's others
+    path = write_config(tmp, '[engine]\ncommand = ["python3", "-m", "other"]\n', "one.toml")
+    config = load_config(path, dev=True, dev_root=tmp / "dev", env={}, check_dirs=False)
+    assert config.engine.command == ("python3", "-m", "other")
+    assert (config.engine.runner, config.engine.venv) == ("process", None)
+    # and the environment beats both
+    config = load_config(path, dev=True, dev_root=tmp / "dev", check_dirs=False,
+                         env={"APPLIANCE_ENGINE_RUNNER": "systemd",
+                              "APPLIANCE_ENGINE_COMMAND": "/opt/sglang,--verbose"})
+    assert config.engine.runner == "systemd"
+    assert config.engine.command == ("/opt/sglang", "--verbose")
 
 
 def test_dev_profile_relative_root_is_made_absolute(tmp: Path,
@@ -476,13 +693,18 @@ def test_precedence(tmp: Path, dev: bool, file: bool, env: bool, winner: str) ->
     log_dirs = {"default": Path("/var/log/appliance"), "dev": tmp / "dev" / "log",
                 "file": tmp / "file-log", "env": tmp / "env-log"}
     ports = {"default": 8080, "dev": 8080, "file": 8001, "env": 8002}
-    body = f'[paths]\nlog_dir = "{log_dirs["file"]}"\n[server]\nport = 8001\n'
+    venvs = {"default": Path("/opt/appliance/engine"), "dev": None, "file": tmp / "file-venv",
+             "env": tmp / "env-venv"}
+    body = (f'[paths]\nlog_dir = "{log_dirs["file"]}"\n[server]\nport = 8001\n'
+            f'[engine]\nvenv = "{venvs["file"]}"\n')
     path = write_config(tmp, body if file else "# sets nothing\n")
     variables = {"APPLIANCE_PATHS_LOG_DIR": str(log_dirs["env"]),
-                 "APPLIANCE_SERVER_PORT": "8002"} if env else {}
+                 "APPLIANCE_SERVER_PORT": "8002",
+                 "APPLIANCE_ENGINE_VENV": str(venvs["env"])} if env else {}
     config = load_config(path, env=variables, dev=dev, dev_root=tmp / "dev", check_dirs=False)
     assert config.paths.log_dir == log_dirs[winner]
     assert config.server.port == ports[winner]
+    assert config.engine.venv == venvs[winner]
     # The dev profile's other paths survive a file or env that sets only log_dir.
     if dev:
         assert config.paths.state_dir == tmp / "dev" / "state"
@@ -524,13 +746,16 @@ def test_describe_lists_every_key_once(tmp: Path) -> None:
     shown = {key: value for key, value, _ in rows}
     assert shown["server.allowed_hosts"] == "a, b"
     assert shown["server.tls_cert"] == "" and shown["server.port"] == "8080"
+    assert shown["engine.command"] == "/opt/appliance/engine/bin/sglang"
+    assert shown["engine.mem_fraction_static"] == "0.93"
+    assert shown["engine.speculative"] == "False" and shown["engine.extra_args"] == ""
     assert all(doc for _, _, doc in rows)
 
 
 # --- docs/configuration.md cannot drift ------------------------------------------------------
 
-TYPE_WORDS = {int: "integer", str: "string", tuple[str, ...]: "list of strings", Path: "path",
-              Path | None: "optional path"}
+TYPE_WORDS = {int: "integer", float: "number", bool: "boolean", str: "string",
+              tuple[str, ...]: "list of strings", Path: "path", Path | None: "optional path"}
 NOT_KEYS = {"appliance.toml", "appliance.db", "appliance.lock"}  # dotted names that are files
 ROW = re.compile(r"^\|\s*`(?P<key>[a-z_]+\.[a-z_]+)`\s*\|\s*(?P<type>[^|]+?)\s*\|"
                  r"\s*(?P<default>[^|]+?)\s*\|", re.MULTILINE)
@@ -607,3 +832,21 @@ def test_doc_example_loads(tmp: Path) -> None:
         if keys == set(ALL_KEYS):
             complete.append(number)
     assert complete, "no ```toml block in docs/configuration.md sets every key"
+
+
+@pytest.mark.parametrize(("content", "key"), [
+    pytest.param({"engine": {"kv_cache_dtype": '"fp9"'}}, "engine.kv_cache_dtype", id="kv-dtype"),
+    pytest.param({"engine": {"port": "8080"}}, "engine.port", id="engine-port-is-console-port"),
+])
+def test_engine_values_checked_at_load(tmp: Path, content: Sections, key: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(write_config(tmp, content), env={}, check_dirs=False)
+    assert caught.value.key == key
+
+
+@pytest.mark.parametrize("model", ["../etc", "a/b/c", "a/..b", "justone", "/abs/path"])
+def test_engine_model_must_be_a_plain_repo_id(tmp: Path, model: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(write_config(tmp, {"engine": {"model": f'"{model}"'}}), env={},
+                    check_dirs=False)
+    assert caught.value.key == "engine.model"

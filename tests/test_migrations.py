@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import func, inspect, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -35,10 +36,10 @@ from appliance.errors import EX_CONFIG, MigrationFailed, SchemaMismatch
 from appliance.resources import migrations_dir
 from tests.conftest import PASSWORD, free_port, run_cli
 
-HEAD = "0001_foundation"
-NEXT = "0002_test"
+HEAD = ScriptDirectory(str(migrations_dir())).get_current_head()  # this release's newest
+NEXT = "9999_test"
 NOW = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
-TABLES = {"admin_users", "admin_sessions", "api_tokens", "audit_log", "events"}
+TABLES = set(Base.metadata.tables)
 
 # Bodies of `upgrade()` for the extra revision.
 HARMLESS = """
@@ -156,7 +157,7 @@ def test_failed_first_migration_leaves_database_empty(database: Database, tmp_pa
     with pytest.raises(MigrationFailed) as failure:
         migrate(database, migrations_with(tmp_path, FAILING), tmp_path / "backups", NOW)
 
-    assert "from empty to 0002_test failed" in failure.value.message
+    assert f"from empty to {NEXT} failed" in failure.value.message
     assert table_names(database) == set()
     assert schema_state(database, migrations_dir()).current is None
     # The real release can still initialise it.

@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import (
     Boolean,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -126,3 +127,41 @@ class Event(Base):
     source: Mapped[str] = mapped_column(String(64), nullable=False)
     message: Mapped[str] = mapped_column(Text, nullable=False)
     detail: Mapped[str] = mapped_column(Text, nullable=False, default="{}")
+
+
+class EngineRun(Base):
+    """One launch (or adoption) of the engine, from preflight to exit."""
+
+    __tablename__ = "engine_runs"
+    __table_args__ = (Index("ix_engine_runs_started_at", "started_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    started_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
+    runner: Mapped[str] = mapped_column(String(16), nullable=False)
+    spec_hash: Mapped[str] = mapped_column(String(64), nullable=False)
+    spec_json: Mapped[str] = mapped_column(Text, nullable=False)
+    identity_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    attempt: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
+    adopted: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
+    state: Mapped[str] = mapped_column(String(32), nullable=False)
+    phases: Mapped[str] = mapped_column(Text, nullable=False, default="[]")
+    ready_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    ready_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    ended_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    hint: Mapped[str] = mapped_column(Text, nullable=False, default="")
+    figures: Mapped[str] = mapped_column(Text, nullable=False, default="{}")
+    log_path: Mapped[str] = mapped_column(String(1024), nullable=False, default="")
+
+
+class EngineControl(Base):
+    """The operator's desired engine state (one row), and the last spec that reached READY."""
+
+    __tablename__ = "engine_control"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    desired: Mapped[str] = mapped_column(String(16), nullable=False)
+    last_good_spec_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
+    updated_by: Mapped[str] = mapped_column(String(128), nullable=False, default="")

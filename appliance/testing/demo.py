@@ -10,13 +10,16 @@ here, so `make demo` always shows everything that exists.
 from __future__ import annotations
 
 import datetime as dt
+import os
 import sys
 
 from appliance.auth.bootstrap import bootstrap_file, ensure_first_admin
 from appliance.cli import main as cli_main
+from appliance.cli import serve
 from appliance.config import load_config
 from appliance.db.database import Database
 from appliance.errors import ApplianceError
+from appliance.testing.fake_gpus import FakeGpus
 
 
 def main() -> int:
@@ -48,9 +51,24 @@ def main() -> int:
     else:
         lines.append("  Log in as the admin whose password you chose earlier "
                      "(forgot it? .venv/bin/appliance --dev admin reset-password --username admin)")
-    lines += ["  Stop with Ctrl-C.", ""]
+    lines += [
+        "  Engine:   the Engine page starts the SGLang *emulator* (appliance.testing.fake_sglang)",
+        "            on fake GPUs: a 90-minute K3 start plays in about a minute.",
+        "  Stop with Ctrl-C (the emulated engine keeps running, as a real one would; the next",
+        "  `make demo` adopts it; stop it from the Engine page).",
+        "",
+    ]
     print("\n".join(lines), flush=True)
-    return cli_main(["--dev", "serve"])
+    # The engine emulator stands in for SGLang (dev profile) and these fake GPUs follow the
+    # memory it reports, so the whole lifecycle can be watched without a GPU.
+    gpu_state = config.paths.state_dir / "fake-gpus.json"
+    os.environ.setdefault("FAKE_SGLANG_GPU_STATE", str(gpu_state))
+    os.environ.setdefault("FAKE_SGLANG_LOAD_SECONDS", "60")
+    try:
+        return serve(config, gpus=FakeGpus(state_file=gpu_state))
+    except ApplianceError as exc:
+        print(f"demo: {exc.as_text()}", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from litestar import Request, get, post
-from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, FromQuery, QueryParameter, URLEncodedBody
 from litestar.response import Redirect, Template
 
@@ -26,11 +25,6 @@ from appliance.errors import ApplianceError
 from appliance.status import daemon_status
 from appliance.ui.login import (
     AdminRequest,
-    change_password,
-    login,
-    login_page,
-    logout,
-    password_page,
     runtime_of,
 )
 
@@ -198,15 +192,3 @@ async def revoke_token_ui(request: AdminRequest, prefix: FromPath[str]) -> Templ
     return Template(
         "partials/tokens.html", context={"tokens": tokens, "now": now, "error": "", "created": None}
     )
-
-
-def ui_handlers() -> list[BaseRouteHandler]:
-    guarded: list[BaseRouteHandler] = [
-        dashboard,
-        audit_page,
-        events_page,
-        settings_page,
-        create_token_ui,
-        revoke_token_ui,
-    ]
-    return [login_page, login, logout, password_page, change_password, *guarded]

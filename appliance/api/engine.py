@@ -1,0 +1,129 @@
+"""The engine through the admin API: status, runs, launch spec, actions, log tail and stream.
+
+Actions are queued to the supervisor (202 Accepted with the status). Anything that ends a
+live engine — stop, restart — costs a full start later, so it needs `"confirm": true`; without
+it the answer is 409 with the expected cost from this box's load history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from litestar import Request, Router, get, post
+from litestar.params import FromPath, JSONBody, QueryParameter
+from litestar.response import ServerSentEvent
+
+from appliance.auditing import audit
+from appliance.auth.accounts import Admin
+from appliance.auth.guards import password_current
+from appliance.auth.middleware import AuthInfo, client_address
+from appliance.engine.logtail import follow, tail
+from appliance.engine.records import list_runs
+from appliance.engine.states import LIVE, Command
+from appliance.engine.views import run_dict, spec_rows, status_dict
+from appliance.errors import ApplianceError
+from appliance.runtime import Runtime
+
+AdminRequest = Request[Admin, AuthInfo, Any]
+
+
+def _runtime(request: Request[Any, Any, Any]) -> Runtime:
+    runtime: Runtime = request.app.state.runtime
+    return runtime
+
+
+@dataclass(frozen=True)
+class ActionBody:
+    confirm: bool = False
+
+
+def cost_sentence(runtime: Runtime) -> str:
+    typical = runtime.supervisor.status.expected_start_seconds
+    if typical is None:
+        return "a cold start of Kimi K3 takes about 90 minutes (no start measured on this box yet)"
+    return f"a start takes about {typical / 60:.0f} minutes on this box (median of recent starts)"
+
+
+async def run_action(runtime: Runtime, command: Command, confirm: bool, actor: str,
+                     address: str, via: str) -> dict[str, Any]:
+    """Queue `command` for the supervisor after the confirmation rule; audited."""
+    live = runtime.supervisor.status.state in LIVE
+    if command in (Command.STOP, Command.RESTART) and live and not confirm:
+        raise ApplianceError(
+            "confirmation_required",
+            f"{command.value} ends the running engine; {cost_sentence(runtime)}",
+            "repeat with confirm=true (the console asks for you)", status=409)
+    future = runtime.supervisor.submit(command, actor)
+    await audit(runtime, actor=actor, address=address, action=f"engine.{command.value}",
+                target=runtime.config.engine.served_model_name, detail={"via": via})
+    if future.done() and future.exception() is not None:
+        raise future.exception()  # type: ignore[misc]
+    return status_dict(runtime.supervisor.status)
+
+
+@get("/", summary="Engine state, progress, memory table and launch figures")
+async def engine_status(request: AdminRequest) -> dict[str, Any]:
+    return status_dict(_runtime(request).supervisor.status)
+
+
+@get("/spec", summary="The launch argv with the origin of every flag")
+async def engine_spec(request: AdminRequest) -> dict[str, Any]:
+    spec = _runtime(request).supervisor.current_spec()
+    return {"argv": spec.argv(), "spec_hash": spec.spec_hash, "flags": spec_rows(spec),
+            "env": [list(e) for e in spec.env]}
+
+
+@get("/runs", summary="Engine runs, newest first")
+async def engine_runs(
+    request: AdminRequest, limit: Annotated[int, QueryParameter(ge=1, le=200)] = 20
+) -> list[dict[str, Any]]:
+    runs = await _runtime(request).db.run(lambda s: list_runs(s, limit))
+    return [run_dict(r) for r in runs]
+
+
+@post("/{action:str}", status_code=202, summary="start, stop, restart or rollback")
+async def engine_action(
+    request: AdminRequest, action: FromPath[str], data: JSONBody[ActionBody | None] = None
+) -> dict[str, Any]:
+    try:
+        command = Command(action)
+    except ValueError:
+        raise ApplianceError("engine_action_unknown", f"unknown engine action {action!r}",
+                             "use start, stop, restart or rollback", status=404) from None
+    body = data or ActionBody()
+    return await run_action(_runtime(request), command, body.confirm, request.user.username,
+                            client_address(request), f"api:{request.auth.kind}")
+
+
+@get("/log", summary="The last lines of the engine log (filter by rank and level)")
+async def engine_log(
+    request: AdminRequest,
+    lines: Annotated[int, QueryParameter(ge=1, le=5000)] = 200,
+    rank: Annotated[int | None, QueryParameter(ge=0)] = None,
+    level: Annotated[str, QueryParameter()] = "",
+) -> dict[str, Any]:
+    runtime = _runtime(request)
+    return {"lines": await tail(runtime.supervisor.log_path, lines, rank=rank, level=level)}
+
+
+@get("/log/stream", summary="The engine log as server-sent events (new lines as they come)")
+async def engine_log_stream(
+    request: AdminRequest,
+    rank: Annotated[int | None, QueryParameter(ge=0)] = None,
+    level: Annotated[str, QueryParameter()] = "",
+) -> ServerSentEvent:
+    path = _runtime(request).supervisor.log_path
+
+    async def lines() -> AsyncIterator[str]:
+        async for line in follow(path, rank=rank, level=level):
+            yield line
+
+    return ServerSentEvent(lines())
+
+
+def engine_router() -> Router:
+    return Router(path="/api/v1/engine", guards=[password_current], tags=["engine"],
+                  route_handlers=[engine_status, engine_spec, engine_runs, engine_log,
+                                  engine_log_stream, engine_action])

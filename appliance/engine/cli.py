@@ -1,0 +1,194 @@
+"""`appliance engine …`: the engine from a shell on the box.
+
+status/start/stop/restart/rollback/logs talk to the running daemon's admin API on loopback
+(the supervisor is the only writer of engine state) with a short-lived admin API token minted
+for the call and revoked after it. parse-log reads any SGLang log, from this box or another,
+without a daemon. exec-spec is what `appliance-engine.service` runs: it execs the launch spec
+the daemon wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import getpass
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+import httpx
+
+from appliance.config import Config
+from appliance.errors import EX_USAGE, ApplianceError
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    engine = sub.add_parser("engine", parents=[common], help="the SGLang engine")
+    engine_sub = engine.add_subparsers(dest="engine_command", required=True)
+    for name, help_text in (("status", "state, progress and memory"), ("start", "start it"),
+                            ("stop", "drain and stop it"), ("restart", "stop, then start"),
+                            ("rollback", "start with the last spec that reached READY")):
+        cmd = engine_sub.add_parser(name, parents=[common], help=help_text)
+        cmd.add_argument("--json", action="store_true", help="print JSON")
+        if name in ("stop", "restart"):
+            cmd.add_argument("--yes", action="store_true",
+                             help="confirm ending a running engine (a start costs ~90 min)")
+    logs = engine_sub.add_parser("logs", parents=[common], help="the engine log")
+    logs.add_argument("--follow", "-f", action="store_true")
+    logs.add_argument("--lines", "-n", type=int, default=100)
+    logs.add_argument("--rank", type=int)
+    logs.add_argument("--level", choices=("info", "warning", "error"), default="")
+    parse = engine_sub.add_parser("parse-log", parents=[common],
+                                  help="diagnose any SGLang log file (no daemon needed)")
+    parse.add_argument("file", type=Path)
+    parse.add_argument("--json", action="store_true")
+    run = engine_sub.add_parser("exec-spec", parents=[common],
+                                help="exec the launch spec (appliance-engine.service's ExecStart)")
+    run.add_argument("--spec", type=Path)
+
+
+def run(args: argparse.Namespace, config: Config) -> int:
+    command = args.engine_command
+    if command == "parse-log":
+        return parse_log(args.file, as_json=args.json)
+    if command == "exec-spec":
+        return exec_spec(args.spec or config.paths.state_dir / "engine" / "launch-spec.json")
+    with daemon_api(config) as api:
+        if command == "logs":
+            return show_logs(api, args)
+        if command == "status":
+            status = _checked(api.get("/api/v1/engine/"))
+        else:
+            body = {"confirm": bool(getattr(args, "yes", False))}
+            status = _checked(api.post(f"/api/v1/engine/{command}", json=body))
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        print(describe_status(status))
+    return 0
+
+
+def parse_log(path: Path, *, as_json: bool) -> int:
+    from appliance.engine.logparse import parse_text
+    from appliance.engine.logreport import render_json, render_text
+
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+    except OSError as exc:
+        raise ApplianceError("log_unreadable", f"cannot read {path}: {exc.strerror or exc}",
+                             "give the path of an SGLang log file", exit_code=EX_USAGE) from None
+    state = parse_text(text)
+    print(json.dumps(render_json(state), indent=2) if as_json else render_text(state))
+    return 0
+
+
+def exec_spec(path: Path) -> NoReturn:
+    from appliance.engine.args import LaunchSpec
+    from appliance.sdnotify import child_environment
+
+    try:
+        spec = LaunchSpec.from_json(path.read_text())
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ApplianceError(
+            "launch_spec_invalid", f"cannot use the launch spec {path}: {exc}",
+            "start the engine from the appliance (console, API or `appliance engine start`); "
+            "it writes the spec", exit_code=EX_USAGE) from None
+    env = child_environment()
+    env.update(dict(spec.env))
+    argv = spec.argv()
+    sys.stdout.flush()
+    os.execvpe(argv[0], argv, env)  # noqa: S606 - the whole point: become the engine
+
+
+@contextlib.contextmanager
+def daemon_api(config: Config) -> Iterator[httpx.Client]:
+    """An HTTP client to the local daemon, carrying a 2-minute admin token for this call."""
+    from appliance.auth.accounts import list_admins
+    from appliance.auth.tokens import create_token, revoke_token
+    from appliance.db.database import Database
+    from appliance.secrets import server_secret
+
+    db = Database(config.database_url)
+    secret = server_secret(config.paths.state_dir)
+    now = dt.datetime.now(dt.UTC)
+    try:
+        user = getpass.getuser()
+    except Exception:
+        user = f"uid{os.getuid()}"
+
+    def mint(s: Any) -> tuple[str, str]:
+        admins = [a for a in list_admins(s) if not a.must_change_password]
+        if not admins:
+            raise ApplianceError(
+                "no_admin", "no admin account is ready to act (the bootstrap password has "
+                "not been changed yet)",
+                "log in to the console once and choose a password, or create an admin with "
+                "`appliance admin create --username NAME`", exit_code=EX_USAGE)
+        token, info = create_token(s, secret, admins[0], f"cli {user}"[:64], now,
+                                   now + dt.timedelta(minutes=2))
+        return token, info.prefix
+
+    token, prefix = db.call(mint)
+    server = config.server
+    host = "127.0.0.1" if server.host in ("0.0.0.0", "::", "") else server.host  # noqa: S104
+    scheme = "https" if config.tls else "http"
+    client = httpx.Client(
+        base_url=f"{scheme}://{host}:{server.port}", timeout=30, trust_env=False,
+        headers={"Authorization": f"Bearer {token}", "Host": "localhost"},
+        verify=False,  # noqa: S501 - loopback to this box's own daemon
+    )
+    try:
+        yield client
+    except httpx.ConnectError:
+        raise ApplianceError(
+            "daemon_unreachable", f"the appliance daemon does not answer on {host}:{server.port}",
+            "is it running? `systemctl status appliance` (or `make demo` in development)",
+            exit_code=75) from None
+    finally:
+        client.close()
+        db.call(lambda s: revoke_token(s, prefix, dt.datetime.now(dt.UTC)))
+        db.dispose()
+
+
+def _checked(response: httpx.Response) -> dict[str, Any]:
+    body = response.json()
+    if response.status_code >= 400:
+        raise ApplianceError(str(body.get("code", "engine_api")), str(body.get("detail")),
+                             str(body.get("hint", "")), exit_code=1)
+    assert isinstance(body, dict)
+    return body
+
+
+def describe_status(status: dict[str, Any]) -> str:
+    lines = [f"engine: {status['state'].replace('_', ' ')} — {status['message']}"]
+    if status.get("percent") is not None and status["state"] not in ("ready", "stopped"):
+        eta = status.get("eta_seconds")
+        lines.append(f"progress: {status['percent']:.0f}%"
+                     + (f", about {eta / 60:.0f} min left" if eta is not None else ""))
+    if status.get("reason"):
+        lines.append(f"reason: {status['reason']}; {status.get('hint', '')}")
+    if status.get("next_retry_at"):
+        lines.append(f"next attempt at {status['next_retry_at']}")
+    return "\n".join(lines)
+
+
+def show_logs(api: httpx.Client, args: argparse.Namespace) -> int:
+    params: dict[str, Any] = {"lines": args.lines}
+    if args.rank is not None:
+        params["rank"] = args.rank
+    if args.level:
+        params["level"] = args.level
+    for line in _checked(api.get("/api/v1/engine/log", params=params))["lines"]:
+        print(line)
+    if args.follow:
+        params.pop("lines")
+        with api.stream("GET", "/api/v1/engine/log/stream", params=params,
+                        timeout=None) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: "):
+                    print(line[6:], flush=True)
+    return 0

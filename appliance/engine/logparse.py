@@ -1,0 +1,755 @@
+"""What SGLang 0.5.23's startup log says about an engine: phase, weight progress, memory, failure.
+
+A pure fold over log records: `feed(state, record) -> state`, starting from `initial()`. The
+supervisor feeds it the engine's log as it grows; `appliance engine parse-log FILE` feeds it a
+whole file an operator was sent. No IO, stdlib only; the formats are SGLang 0.5.23's
+(shared/reference/sglang-0.5.23.md sections 3 and 5, checked against its source).
+
+Invariants of `LogState`:
+
+- `phase` never goes backwards; `phases` lists each phase once, in order, with the log timestamp
+  of the record that entered it (the latest timestamp seen before it for the untimestamped tqdm
+  bars), and `phases[-1][0] is phase`.
+- `feed` never raises. A record it does not recognise changes nothing but `lines` (and, when it
+  carries a log prefix, `last_timestamp`/`last_rank`).
+- `ranks` is sorted by rank, one `RankMemory` per TP rank seen in a memory line.
+
+Decisions the log format forces:
+
+- **Draft (DSPARK) weights.** Per rank, the first `Load weight end` is the target model and any
+  later one the draft; likewise the first `KV Cache is allocated` is the target's MLA pool and
+  any later one the draft's. The shard bar belongs to the draft once rank 0 (the only rank that
+  draws bars) has logged its own target `Load weight end`. When the `server_args` line names a
+  `speculative_algorithm`, the engine stays in LOADING_WEIGHTS after the target's weights and
+  enters ALLOCATING at the draft's `Load weight end` (SGLang loads the draft before it sizes the
+  pools); without one, ALLOCATING starts at the target's `Load weight end`. Either way the first
+  pool line (`Mamba Cache is allocated`, `KV Cache is allocated`) also enters ALLOCATING, so a
+  speculative algorithm without a draft model (NGRAM) still advances.
+- **Failures are refined, never downgraded.** Each failure line has a specificity: `unknown` (0,
+  "Initialization failed") < `signal` (1, the engine tore itself down on SIGQUIT) <
+  `scheduler_died` (2, a known TP rank died or raised) < a cause (3: `out_of_memory`,
+  `weights_error`, `bad_argument`). A later line replaces the failure only when it is strictly
+  more specific, so the traceback's `torch.OutOfMemoryError` refines the "Scheduler hit an
+  exception" before it, and the SIGQUIT teardown after it changes nothing. Among equals the first
+  wins (the first rank to report is the one that failed; the others are the cascade), except that
+  a rank fills in when the earlier line had none. `Failure.line` is the first line of the
+  winning classification; the rank survives a refinement that does not name one.
+- Lines without a log prefix (traceback frames, exception lines) belong to the rank of the latest
+  prefixed record (`last_rank`): SGLang writes a scheduler's whole traceback in one record.
+- argparse's `prog: error: ...`, a `ValueError` the main process raises before the
+  `server_args` line (SGLang resolving its arguments), and uvicorn failing to bind the port are
+  `bad_argument`: the same launch fails the same way, so the supervisor should not retry it.
+- A log line written while rank 0's bar was unfinished lands on the bar's physical line; each
+  record is cut before any embedded `[YYYY-MM-DD HH:MM:SS` and after a complete shard bar.
+
+Long for one reason: it is the whole grammar of one log format (markers, `server_args`, the
+failure table), so a new SGLang release's wording changes are one file's diff.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+
+class Phase(enum.Enum):
+    """Startup phases the log can show, in the order the engine goes through them."""
+
+    LAUNCHING = 1
+    LOADING_WEIGHTS = 2
+    ALLOCATING = 3
+    CAPTURING_GRAPHS = 4
+    WARMING = 5
+    READY = 6
+
+
+Reason = Literal[
+    "out_of_memory", "scheduler_died", "signal", "bad_argument", "weights_error", "unknown"
+]
+
+
+class LineSplitter:
+    """Cuts a growing text stream into complete records at every `\\n` and `\\r`.
+
+    tqdm redraws its bar after a `\\r` on one physical line, so `\\r` ends a record too. Empty
+    records (from `\\r\\n`, or tqdm's `\\n` after its last `\\r`) are dropped. The unfinished tail
+    is kept for the next `feed`; `flush` returns it at end of stream. A record longer than
+    `max_record_chars` keeps its first `max_record_chars` characters and drops the rest, so a
+    stream with no line breaks cannot grow memory without bound. The caller decodes bytes
+    (`errors="replace"`); this class does no IO.
+    """
+
+    def __init__(self, max_record_chars: int = 1 << 20) -> None:
+        self._max = max_record_chars
+        self._tail: list[str] = []
+        self._tail_len = 0
+
+    def feed(self, chunk: str) -> list[str]:
+        parts = _SEPARATOR.split(chunk)
+        self._keep(parts[0])
+        if len(parts) == 1:
+            return []
+        records = ["".join(self._tail), *parts[1:-1]]
+        self._tail, self._tail_len = [], 0
+        self._keep(parts[-1])
+        return [record[: self._max] for record in records if record]
+
+    @property
+    def pending(self) -> str:
+        """The unfinished tail, unconsumed. tqdm writes `\r` *before* each bar state, so the
+        newest state of a bar sits here until the next one: a stalled load's last state."""
+        return "".join(self._tail)
+
+    def flush(self) -> list[str]:
+        record = "".join(self._tail)
+        self._tail, self._tail_len = [], 0
+        return [record] if record else []
+
+    def _keep(self, piece: str) -> None:
+        room = self._max - self._tail_len
+        if piece and room > 0:
+            self._tail.append(piece[:room])
+            self._tail_len += min(len(piece), room)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One TP rank's memory figures, in SGLang's GB (GiB), as its log lines state them.
+
+    Target figures come from the rank's first `Load weight end` / `KV Cache is allocated`, draft
+    figures from later ones. `avail_after_pools_gb` is the latest `Memory pool end` on the rank:
+    what is left for CUDA graphs and activations once every pool (draft included) is allocated.
+    `weight_loads_done` and `kv_pools_done` count those lines; the parser uses them to tell target
+    from draft.
+    """
+
+    rank: int
+    weights_gb: float | None = None
+    avail_after_weights_gb: float | None = None
+    state_slots: int | None = None
+    conv_gb: float | None = None
+    ssm_gb: float | None = None
+    kv_tokens: int | None = None
+    kv_gb: float | None = None
+    kv_dtype: str | None = None
+    avail_after_pools_gb: float | None = None
+    draft_weights_gb: float | None = None
+    draft_kv_tokens: int | None = None
+    draft_kv_gb: float | None = None
+    weight_loads_done: int = 0
+    kv_pools_done: int = 0
+
+    @property
+    def state_gb(self) -> float | None:
+        """KDA recurrent state (conv + ssm) for `state_slots` slots, when both are known."""
+        if self.conv_gb is None or self.ssm_gb is None:
+            return None
+        return round(self.conv_gb + self.ssm_gb, 2)
+
+
+@dataclass(frozen=True)
+class LaunchFigures:
+    """The TP0 scheduler's sizing line, `max_total_num_tokens=...` (per-rank KV rows)."""
+
+    max_total_num_tokens: int
+    chunked_prefill_size: int | None
+    max_prefill_tokens: int | None
+    max_running_requests: int
+    context_len: int
+    available_gpu_mem_gb: float | None
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why the engine failed, as far as its log tells.
+
+    `line` is the first line of the winning classification; `hint` a sentence an operator can act
+    on; `detail` the first exception line of a traceback that followed `line`, if any.
+    """
+
+    reason: Reason
+    rank: int | None
+    line: str
+    hint: str
+    detail: str | None = None
+
+
+@dataclass(frozen=True)
+class LogState:
+    """Everything learnt from the records fed so far; see the module docstring for invariants.
+
+    `lines` counts the records fed. `server_args` holds the `server_args=` line's key/value
+    text; `dcp_size` and `tp_size` come from it (`tp_size` falls back to the highest TP rank
+    seen + 1). `warnings` keeps each known warning once, without its log prefix.
+    `startup_timings` flattens `cuda_graph={target_decode=..}` to `cuda_graph.target_decode`.
+    `last_rank` is the TP rank of the latest prefixed record (None for the main process).
+    """
+
+    phase: Phase = Phase.LAUNCHING
+    phases: tuple[tuple[Phase, str | None], ...] = ((Phase.LAUNCHING, None),)
+    shards_done: int = 0
+    shards_total: int | None = None
+    draft_shards_done: int = 0
+    draft_shards_total: int | None = None
+    weight_load_seconds: float | None = None
+    draft_weight_load_seconds: float | None = None
+    ranks: tuple[RankMemory, ...] = ()
+    figures: LaunchFigures | None = None
+    dcp_size: int = 1
+    tp_size: int = 1
+    server_args: tuple[tuple[str, str], ...] = ()
+    warnings: tuple[str, ...] = ()
+    startup_timings: tuple[tuple[str, float], ...] = ()
+    ready: bool = False
+    failure: Failure | None = None
+    lines: int = 0
+    last_timestamp: str | None = None
+    last_rank: int | None = None
+
+    @property
+    def kv_token_capacity(self) -> int | None:
+        """Logical MLA KV capacity: rank 0's rows times `dcp_size` (each rank holds 1/dcp of a
+        sequence's latent KV)."""
+        rank0 = self.rank(0)
+        if rank0 is None or rank0.kv_tokens is None:
+            return None
+        return rank0.kv_tokens * self.dcp_size
+
+    @property
+    def expects_draft(self) -> bool:
+        """Whether `server_args` names a speculative algorithm (a DSPARK draft load follows)."""
+        algorithm = self.server_arg("speculative_algorithm")
+        return algorithm is not None and algorithm not in ("", "None", "none")
+
+    def rank(self, rank: int) -> RankMemory | None:
+        return next((memory for memory in self.ranks if memory.rank == rank), None)
+
+    def server_arg(self, key: str) -> str | None:
+        return next((value for name, value in self.server_args if name == key), None)
+
+
+def initial() -> LogState:
+    """The state before any record: LAUNCHING, nothing known."""
+    return LogState()
+
+
+def feed(state: LogState, record: str) -> LogState:
+    """Fold one log record into `state`. Pure; an unknown or malformed record is ignored."""
+    lines = state.lines + 1
+    new = state
+    for fragment in _fragments(record):
+        new = _interpret(new, fragment, lines)
+    return new if new.lines == lines else replace(new, lines=lines)
+
+
+def parse_text(text: str) -> LogState:
+    """Split `text` into records the way `LineSplitter` does and fold them all."""
+    splitter = LineSplitter()
+    state = initial()
+    for record in [*splitter.feed(text), *splitter.flush()]:
+        state = feed(state, record)
+    return state
+
+
+# --- Record anatomy ---------------------------------------------------------------------------
+
+_SEPARATOR = re.compile(r"[\r\n]")
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+# `[%(asctime)s{.mmm}{prefix}] message`; prefix parts ` DP0 PP1 ATTN_CP0 MOE_DP0 TP3 EP3`.
+_PREFIX = re.compile(
+    r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d{1,6})?)((?: [A-Z][A-Z_]{0,15}\d{1,6}){0,8})\] ?"
+)
+_TIMESTAMP_START = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
+_TP_PART = re.compile(r" TP(\d{1,6})\b")
+_SHARD_BAR = re.compile(
+    r"(Multi-thread loading shards|Loading safetensors checkpoint shards): *"
+    r"\d{1,3}% Completed \| (\d{1,9})/(\d{1,9}) (?:\[[^\]\r\n]{0,80}\])?"
+)
+
+
+def _fragments(record: str) -> Iterator[str]:
+    """One record's pieces: a log line glued after an unfinished tqdm bar is its own piece."""
+    for piece in _SEPARATOR.split(_ANSI.sub("", record)):
+        starts = [m.start() for m in _TIMESTAMP_START.finditer(piece) if m.start() > 0]
+        bounds = [0, *starts, len(piece)]
+        for begin, end in itertools.pairwise(bounds):
+            if piece[begin:end].strip():
+                yield piece[begin:end]
+
+
+def _interpret(state: LogState, text: str, lines: int) -> LogState:
+    prefix = _PREFIX.match(text)
+    if prefix is None:
+        return _bare(state, text, lines)
+    timestamp, parts = prefix.group(1), prefix.group(2)
+    rank: int | None = None
+    if parts:  # only scheduler processes carry a prefix; TP rank 0 when TP is 1
+        tp = _TP_PART.search(parts)
+        rank = int(tp.group(1)) if tp else 0
+    # One `replace` for the prefix and the line count: most records change nothing else.
+    state = replace(state, last_timestamp=timestamp, last_rank=rank, lines=lines)
+    if state.phases[0][1] is None:
+        state = replace(state, phases=((Phase.LAUNCHING, timestamp), *state.phases[1:]))
+    message = text[prefix.end():]
+    for handler in _MESSAGE_HANDLERS:
+        handled = handler(state, message, rank, timestamp)
+        if handled is not None:
+            return handled
+    return _failure_or_detail(state, text, message, rank, bare=False)
+
+
+def _bare(state: LogState, text: str, lines: int) -> LogState:
+    bar = _SHARD_BAR.match(text)
+    if bar is not None:
+        state = _shard_progress(state, int(bar.group(2)), int(bar.group(3)))
+        rest = text[bar.end():]
+        return _interpret(state, rest, lines) if rest.strip() else state
+    if text.startswith("Capturing batches ("):
+        return _advance(state, Phase.CAPTURING_GRAPHS, state.last_timestamp)
+    return _failure_or_detail(state, text, text, state.last_rank, bare=True)
+
+
+def _advance(state: LogState, phase: Phase, timestamp: str | None) -> LogState:
+    if phase.value <= state.phase.value:
+        return state
+    return replace(state, phase=phase, phases=(*state.phases, (phase, timestamp)))
+
+
+def _with_rank(state: LogState, rank: int, **changes: Any) -> LogState:
+    current = state.rank(rank) or RankMemory(rank=rank)
+    updated = replace(current, **changes)
+    others = [memory for memory in state.ranks if memory.rank != rank]
+    ranks = tuple(sorted([*others, updated], key=lambda memory: memory.rank))
+    tp_size = state.tp_size
+    if state.server_arg("tp_size") is None:
+        tp_size = max(tp_size, rank + 1)
+    return replace(state, ranks=ranks, tp_size=tp_size)
+
+
+def _shard_progress(state: LogState, done: int, total: int) -> LogState:
+    rank0 = state.rank(0)
+    if rank0 is not None and rank0.weight_loads_done >= 1:
+        if state.draft_shards_total == total:
+            done = max(done, state.draft_shards_done)
+        return replace(state, draft_shards_done=done, draft_shards_total=total)
+    if state.shards_total == total:
+        done = max(done, state.shards_done)
+    state = _advance(state, Phase.LOADING_WEIGHTS, state.last_timestamp)  # head cut off
+    return replace(state, shards_done=done, shards_total=total)
+
+
+# --- Startup markers ----------------------------------------------------------------------------
+
+_NUM = r"(-?\d{1,12}(?:\.\d{1,6})?)"
+_INT = r"(-?\d{1,18})"
+_WEIGHT_END = re.compile(
+    rf"Load weight end\. elapsed={_NUM} s, .{{0,300}}?avail mem={_NUM} GB, mem usage={_NUM} GB"
+)
+_MAMBA = re.compile(
+    rf"Mamba Cache is allocated\. max_mamba_cache_size: {_INT}, "
+    rf"conv_state size: {_NUM} ?GB, ssm_state size: {_NUM} ?GB"
+)
+_KV = re.compile(
+    rf"KV Cache is allocated\. dtype: ([\w.]{{1,40}}), #tokens: {_INT}, "
+    rf"(?:KV size: {_NUM} GB|K size: {_NUM} GB, V size: {_NUM} GB)"
+)
+_POOL_END = re.compile(rf"Memory pool end\. avail mem={_NUM} GB")
+_CAPTURE = re.compile(r"Capture .{1,80}? CUDA graph begin\.")
+_FIGURES = re.compile(
+    rf"max_total_num_tokens={_INT}, chunked_prefill_size=(\S{{1,20}}), "
+    rf"max_prefill_tokens=(\S{{1,20}}), max_running_requests={_INT}, context_len={_INT}, "
+    rf"available_[cg]pu_mem={_NUM} GB"
+)
+_TIMING = re.compile(r"(\w{1,40})=(\{[^}]{0,2000}\}|-?\d{1,12}(?:\.\d{1,6})?)")
+_WARNINGS = (
+    "Max running requests is reset to",
+    "max_running_requests is capped to",
+    "Kimi-K3 DCP keeps decode attention backend",
+    "Kimi-K3 DCP disables --enable-symm-mem",
+    "Kimi-K3 DSPARK: decode attention backend",
+    "Could not resolve DFLASH draft KV bytes/token",
+)
+
+_Handler = Callable[[LogState, str, int | None, str], LogState | None]
+
+
+def _on_server_args(state: LogState, msg: str, rank: int | None, ts: str) -> LogState | None:
+    if not msg.startswith("server_args="):
+        return None
+    pairs = _parse_server_args(msg[len("server_args="):])
+    values = dict(pairs)
+    return replace(
+        state,
+        server_args=pairs,
+        dcp_size=_positive_int(values.get("dcp_size"), 1),
+        tp_size=_positive_int(values.get("tp_size"), state.tp_size),
+    )
+
+
+def _on_weight_begin(state: LogState, msg: str, rank: int | None, ts: str) -> LogState | None:
+    if not msg.startswith("Load weight begin."):
+        return None
+    return _advance(state, Phase.LOADING_WEIGHTS, ts)
+
+
+def _on_weight_end(state: LogState, msg: str, rank: int | None, ts: str) -> LogState | None:
+    if not msg.startswith("Load weight end."):
+        return None
+    match = _WEIGHT_END.match(msg)
+    if match is None:  # overlap mode's "Committed real weights after CUDA graph capture"
+        return state
+    rank = rank or 0
+    elapsed, avail, usage = (float(group) for group in match.groups())
+    memory = state.rank(rank) or RankMemory(rank=rank)
+    loads = memory.weight_loads_done + 1
+    if loads == 1:
+        state = _with_rank(
+            state, rank, weights_gb=usage, avail_after_weights_gb=avail, weight_loads_done=loads
+        )
+        if rank == 0 or state.weight_load_seconds is None:
+            state = replace(state, weight_load_seconds=elapsed)
+        if state.expects_draft:
+            return state
+    else:
+        state = _with_rank(state, rank, draft_weights_gb=usage, weight_loads_done=loads)
+        if rank == 0 or state.draft_weight_load_seconds is None:
+            state = replace(state, draft_weight_load_seconds=elapsed)
+    return _advance(state, Phase.ALLOCATING, ts)
+
+
+def _on_mamba(state: LogState, msg: str, rank: int | None, ts: str) -> LogState | None:
+    if not msg.startswith("Mamba Cache is allocated."):
+        return None
+    state = _advance(state, Phase.ALLOCATING, ts)
+    match = _MAMBA.match(msg)
+    if match is None:
+        return state
+    return _with_rank(
+        state,
+        rank or 0,
+        state_slots=int(match.group(1)),
+        conv_gb=float(match.group(2)),
+        ssm_gb=float(match.group(3)),
+    )
+
+
+def _on_kv(state: LogState, msg: str, rank: int | None, ts: str) -> LogState | None:
+    # Labelled pools ("SWA KV Cache ...") and the post-capture "VA upper bound" are not K3's.
+    if not msg.startswith("KV Cache is allocated."):
+        return None
+    state = _advance(state, Phase.ALLOCATING, ts)
+    match = _KV.match(msg)
+    if match is None:
+        return state
+    rank = rank or 0
+    dtype, tokens = match.group(1), int(match.group(2))
+    if match.group(3) is not None:
+        size = float(match.group(3))
+    else:
+        size = round(float(match.group(4)) + float(match.group(5)), 2)
+    memory = state.rank(rank) or RankMemory(rank=rank)
+    pools = memory.kv_pools_done + 1
+    if pools == 1:
+        return _with_rank(
+            state, rank, kv_tokens=tokens, kv_gb=size, kv_dtype=dtype, kv_pools_done=pools
+        )
+    return _with_rank(state, rank, draft_kv_tokens=tokens, draft_kv_gb=size, kv_pools_done=pools)
+
+
+def _on_pool_end(state: LogState, msg: str, rank: int | None, ts: str) -> LogState | None:
+    match = _POOL_END.match(msg)
+    if match is None:
+        return None
+    return _with_rank(state, rank or 0, avail_after_pools_gb=float(match.group(1)))
+
+
+def _on_capture(state: LogState, msg: str, rank: int | None, ts: str) -> LogState | None:
+    if _CAPTURE.match(msg) is None:
+        return None
+    return _advance(state, Phase.CAPTURING_GRAPHS, ts)
+
+
+def _on_figures(state: LogState, msg: str, rank: int | None, ts: str) -> LogState | None:
+    if not msg.startswith("max_total_num_tokens="):
+        return None
+    state = _advance(state, Phase.WARMING, ts)
+    match = _FIGURES.match(msg)
+    if match is None or state.figures is not None:
+        return state
+    figures = LaunchFigures(
+        max_total_num_tokens=int(match.group(1)),
+        chunked_prefill_size=_optional_int(match.group(2).rstrip(",")),
+        max_prefill_tokens=_optional_int(match.group(3).rstrip(",")),
+        max_running_requests=int(match.group(4)),
+        context_len=int(match.group(5)),
+        available_gpu_mem_gb=float(match.group(6)),
+    )
+    return replace(state, figures=figures)
+
+
+def _on_timings(state: LogState, msg: str, rank: int | None, ts: str) -> LogState | None:
+    if not msg.startswith("Engine startup timings (s): "):
+        return None
+    timings: list[tuple[str, float]] = []
+    for key, value in _TIMING.findall(msg):
+        if value.startswith("{"):
+            timings += [(f"{key}.{k}", float(v)) for k, v in _TIMING.findall(value)
+                        if not v.startswith("{")]
+        else:
+            timings.append((key, float(value)))
+    return replace(_advance(state, Phase.WARMING, ts), startup_timings=tuple(timings))
+
+
+def _on_uvicorn(state: LogState, msg: str, rank: int | None, ts: str) -> LogState | None:
+    if "Uvicorn running on " not in msg:
+        return None
+    return _advance(state, Phase.WARMING, ts)
+
+
+def _on_ready(state: LogState, msg: str, rank: int | None, ts: str) -> LogState | None:
+    if not msg.startswith("The server is fired up and ready to roll!"):
+        return None
+    return replace(_advance(state, Phase.READY, ts), ready=True)
+
+
+def _on_warning(state: LogState, msg: str, rank: int | None, ts: str) -> LogState | None:
+    if not msg.startswith(_WARNINGS):
+        return None
+    text = msg.strip()
+    if text in state.warnings:
+        return state
+    return replace(state, warnings=(*state.warnings, text))
+
+
+_MESSAGE_HANDLERS: tuple[_Handler, ...] = (
+    _on_server_args, _on_weight_begin, _on_weight_end, _on_mamba, _on_kv, _on_pool_end,
+    _on_capture, _on_figures, _on_timings, _on_uvicorn, _on_ready, _on_warning,
+)
+
+
+def _parse_server_args(text: str) -> tuple[tuple[str, str], ...]:
+    """Key/value text of `ServerArgs(k=v, ...)` (the reference's form) or `{'k': v, ...}`
+    (0.5.23's `resolved_dict()`); a value keeps its literal text minus one pair of enclosing
+    quotes. A line cut short still yields the pairs before the cut."""
+    body = text.strip()
+    if body.startswith("ServerArgs("):
+        body, keyed = body[len("ServerArgs("):], re.compile(r"(\w{1,100})=(.*)", re.S)
+    elif body.startswith("{"):
+        body, keyed = body[1:], re.compile(r"'(\w{1,100})'\s*:\s*(.*)", re.S)
+    else:
+        return ()
+    pairs: list[tuple[str, str]] = []
+    for item in _top_level_items(body):
+        match = keyed.fullmatch(item.strip())
+        if match is not None:
+            pairs.append((match.group(1), _unquote(match.group(2).strip())))
+    return tuple(pairs)
+
+
+def _top_level_items(body: str) -> list[str]:
+    """Split at commas outside quotes and brackets; stop at the bracket that closes `body`."""
+    items: list[str] = []
+    depth, quote, escaped, start = 0, "", False, 0
+    for index, char in enumerate(body):
+        if quote:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == quote:
+                quote = ""
+        elif char in "'\"":
+            quote = char
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}":
+            if depth == 0:
+                items.append(body[start:index])
+                return items
+            depth -= 1
+        elif char == "," and depth == 0:
+            items.append(body[start:index])
+            start = index + 1
+    return items  # cut short: the unfinished last item is dropped
+
+
+def _unquote(value: str) -> str:
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return value[1:-1]
+    return value
+
+
+def _optional_int(text: str) -> int | None:
+    try:
+        return int(text) if len(text) <= 18 else None
+    except ValueError:
+        return None
+
+
+def _positive_int(text: str | None, default: int) -> int:
+    value = _optional_int(text) if text is not None else None
+    return value if value is not None and value > 0 else default
+
+
+# --- Failures -----------------------------------------------------------------------------------
+
+_SPECIFICITY: dict[str, int] = {
+    "unknown": 0, "signal": 1, "scheduler_died": 2,
+    "out_of_memory": 3, "weights_error": 3, "bad_argument": 3,
+}
+_SIGNALS = {
+    -9: "SIGKILL", -11: "SIGSEGV", -6: "SIGABRT", -15: "SIGTERM", -7: "SIGBUS", -4: "SIGILL",
+    -3: "SIGQUIT", -2: "SIGINT",
+}
+_EXCEPTION_LINE = re.compile(
+    r"(?:[A-Za-z_]\w{0,60}\.){0,6}[A-Za-z_]\w{0,60}(?:Error|Exception)(?:: .*)?"
+)
+_ARGPARSE_ERROR = re.compile(r"[\w][\w .\-/]{0,80}: error: \S.*")
+_SCHEDULER_DIED = re.compile(
+    rf"Rank (\d{{1,6}}) scheduler died during initialization \(exit code: {_INT}\)"
+)
+_SUBPROCESS_CRASHED = re.compile(
+    rf"Subprocess (\S{{1,80}}) \(pid=\S{{1,20}}\) crashed with exit code {_INT}"
+)
+_BIND_FAILED = re.compile(
+    r"error while attempting to bind on address (\(.{1,80}?\)): address already in use"
+)
+_SCHEDULER_NAME = re.compile(r"scheduler_(\d{1,6})")
+_SHARD_PATH = re.compile(r"No such file or directory: '?([^\s']{0,400}\.safetensors)")
+_WEIGHTS_MARKERS = (
+    "SafetensorError", "Error while deserializing header", "incomplete metadata",
+    "file is truncated", "HeaderTooLarge", "MetadataIncompleteBuffer",
+    "InvalidHeaderDeserialization",
+)
+_OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "CUDA error: out of memory")
+
+
+@dataclass(frozen=True)
+class _Finding:
+    reason: Reason
+    rank: int | None
+    hint: str
+
+
+def _failure_or_detail(
+    state: LogState, line: str, message: str, rank: int | None, *, bare: bool
+) -> LogState:
+    """Classify `message` (the record minus its log prefix); `line` is the whole record."""
+    finding = _classify(state, message.strip(), rank, bare=bare)
+    line = line.strip()
+    if finding is not None:
+        return replace(state, failure=_refine(state.failure, finding, line))
+    failure = state.failure
+    if (bare and failure is not None and failure.detail is None and failure.line != line
+            and _EXCEPTION_LINE.fullmatch(line)):
+        return replace(state, failure=replace(failure, detail=line))
+    return state
+
+
+def _refine(current: Failure | None, found: _Finding, line: str) -> Failure:
+    if current is None or _SPECIFICITY[found.reason] > _SPECIFICITY[current.reason]:
+        rank = found.rank if found.rank is not None else (current.rank if current else None)
+        detail = current.detail if current is not None and current.detail != line else None
+        return Failure(found.reason, rank, line, found.hint, detail)
+    if found.reason == current.reason and current.rank is None and found.rank is not None:
+        return replace(current, rank=found.rank, hint=found.hint)
+    return current
+
+
+def _classify(state: LogState, text: str, rank: int | None, *, bare: bool) -> _Finding | None:
+    """The failure `text` reports, if any: causes first, then who died, then teardown.
+
+    argparse errors and a `ValueError` raised before the `server_args` line (SGLang resolving
+    its arguments) are recognised only on lines without a log prefix, as Python prints them.
+    """
+    if "Loaded weights leave no GPU memory for the KV cache" in text:
+        return _Finding("out_of_memory", rank, (
+            "Target and draft weights fill the static budget: raise "
+            f"--mem-fraction-static{_now(state)} above the value this line suggests, then "
+            "restart; unchanged it fails the same way."))
+    if "Not enough GPU memory for hybrid" in text:
+        return _Finding("out_of_memory", rank, (
+            f"No room for the KDA state pool: raise --mem-fraction-static{_now(state)} or "
+            "--mamba-full-memory-ratio, or lower --max-running-requests, then restart."))
+    if "Not enough memory" in text:
+        return _Finding("out_of_memory", rank, (
+            f"The MLA KV pool got no tokens: raise --mem-fraction-static{_now(state)} or lower "
+            "--mamba-full-memory-ratio to give the KV cache more of the budget, then restart."))
+    if any(marker in text for marker in _OOM_MARKERS):
+        where = f"TP{rank}" if rank is not None else "A GPU"
+        return _Finding("out_of_memory", rank, (
+            f"{where} ran out of GPU memory beyond SGLang's static budget: lower "
+            f"--mem-fraction-static{_now(state)} by about 0.02, or lower --max-running-requests or "
+            "--cuda-graph-max-bs-decode (they size the unbudgeted buffers), then restart; "
+            "unchanged it fails the same way."))
+    shard = _SHARD_PATH.search(text)
+    if shard is not None or any(marker in text for marker in _WEIGHTS_MARKERS):
+        named = f"Shard {shard.group(1)} is missing" if shard else "A weight shard is corrupt"
+        return _Finding("weights_error", rank, (
+            f"{named}: verify the model's shards (size, safetensors header, sha256) against "
+            "the manifest and re-download the bad one; restarting alone fails the same way."))
+    bind = _BIND_FAILED.search(text)
+    if bind is not None:
+        return _Finding("bad_argument", None, (
+            f"Another process holds {bind.group(1)}, so the engine could not open its HTTP port "
+            "after loading: stop that process or choose another --port before restarting."))
+    if bare and (_ARGPARSE_ERROR.fullmatch(text) or (
+        text.startswith("ValueError: ") and not state.server_args and state.last_rank is None
+    )):
+        return _Finding("bad_argument", None, (
+            "SGLang rejected its launch arguments before starting any GPU process: fix or "
+            "remove what this line names; restarting with the same arguments fails the same way."))
+    died = _SCHEDULER_DIED.search(text)
+    if died is not None:
+        dead = int(died.group(1))
+        return _Finding("scheduler_died", dead, _exit_hint(f"TP{dead}", int(died.group(2))))
+    crashed = _SUBPROCESS_CRASHED.search(text)
+    if crashed is not None:
+        name, code = crashed.group(1), int(crashed.group(2))
+        scheduler = _SCHEDULER_NAME.fullmatch(name)
+        if scheduler is not None:
+            dead = int(scheduler.group(1))
+            return _Finding("scheduler_died", dead, _exit_hint(f"TP{dead}", code))
+        return _Finding("signal", None, _exit_hint(f"The {name} process", code))
+    if "Scheduler hit an exception" in text:
+        who = f"TP{rank}" if rank is not None else "A scheduler"
+        return _Finding("scheduler_died", rank, (
+            f"{who} raised an exception: the traceback after this line names the cause; fix it "
+            "before restarting."))
+    if "watchdog timeout" in text and "soft=False" in text:
+        who = f"TP{rank}" if rank is not None else "A scheduler"
+        return _Finding("scheduler_died", rank, (
+            f"{who} made no progress for --watchdog-timeout seconds (a hang, often NCCL or a "
+            "GPU fault): check `nvidia-smi` and `dmesg -T` for Xid errors before restarting."))
+    if "Received sigquit from a child process" in text or "SIGQUIT received." in text:
+        return _Finding("signal", None, (
+            "A child process failed and the engine tore its process tree down: find the first "
+            "traceback or crash above this line, and check `dmesg -T` for the OOM killer or GPU "
+            "Xid errors, before restarting."))
+    if text.startswith("Initialization failed.") or " Initialization failed." in text:
+        return _Finding("unknown", rank, (
+            "Startup failed for a reason this parser does not classify: read the error above "
+            "this line (or the warmup traceback in it) before restarting."))
+    return None
+
+
+def _now(state: LogState) -> str:
+    """` (now 0.93)`: the --mem-fraction-static the failed launch used, when the log says."""
+    value = state.server_arg("mem_fraction_static")
+    return f" (now {value})" if value else ""
+
+
+def _exit_hint(who: str, code: int) -> str:
+    if code == -9:
+        return (f"{who} was killed with SIGKILL, most often by the kernel OOM killer (host RAM): "
+                "check `dmesg -T | grep -i oom` and free host memory before restarting.")
+    if code < 0:
+        name = _SIGNALS.get(code, f"signal {-code}")
+        return (f"{who} was killed by {name}: check `dmesg -T` for GPU Xid or segfault "
+                "messages before restarting.")
+    return (f"{who} exited with code {code}: its own traceback above this line names the "
+            "cause; fix it before restarting.")

@@ -1,0 +1,206 @@
+"""The engine emulator's pretend scheduler: admission, queueing and token pacing. A test and
+demo instrument (`appliance.testing.fake_sglang`): no model runs here.
+
+At most `max_running_requests` requests run at once; the rest wait in arrival order (they are
+`num_queue_reqs`). A running request produces one token every `token_seconds`
+(`FAKE_SGLANG_FAULT=slow_tokens=S`, default 0.01 s). The text is deterministic: words from a
+fixed list, chosen by a hash of the prompt, so the same prompt always gets the same answer.
+Without `max_tokens` an answer is 8-40 tokens long and ends with "stop"; with it, an answer
+that would run longer is cut at `max_tokens` ("length"); `ignore_eos` makes it exactly
+`max_tokens`. Prompt tokens are counted as words (plus a few per chat message), which is
+what the usage figures report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+
+from appliance.testing.fake_sglang.args import ServeArgs
+from appliance.testing.fake_sglang.faults import Faults
+from appliance.testing.fake_sglang.logwriter import LogWriter
+from appliance.testing.fake_sglang.memory import Capacity
+
+WORDS = (
+    "emulated", "tokens", "from", "fake_sglang", "the", "appliance", "test", "instrument",
+    "no", "model", "was", "run", "here", "kimi", "k3", "would", "answer", "better", "than",
+    "this", "deterministic", "placeholder", "text", "for", "demos", "and", "tests", "only",
+)
+THROUGHPUT_WINDOW = 5
+
+
+def seed_of(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8", "replace")).digest()[:8], "big")
+
+
+def word(seed: int, index: int) -> str:
+    text = WORDS[(seed + index * 7) % len(WORDS)]
+    return text if index == 0 else " " + text
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_tokens: int
+    completion_tokens: int  # how many it will produce
+    finish_reason: str  # "stop" or "length"
+    seed: int
+    generated: int = 0
+    arrived: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    admitted: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def text(self) -> str:
+        return "".join(word(self.seed, i) for i in range(self.generated))
+
+
+class Core:
+    """Running and waiting requests, the counters `/metrics` and `/v1/loads` report, and the
+    server's status (SGLang's ServerStatus plus the SIGTERM drain flag)."""
+
+    def __init__(self, args: ServeArgs, cap: Capacity, faults: Faults, log: LogWriter) -> None:
+        self.args, self.cap, self.faults, self.log = args, cap, faults, log
+        self.token_seconds = faults.token_seconds
+        self.running: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.status = "Starting"  # Starting -> Up (after warmup) -> UnHealthy (failed check)
+        self.draining = False
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_requests_total = 0
+        self.num_aborted_requests_total = 0
+        self.prefill_tokens_total = 0
+        self._recent: deque[list[int]] = deque()  # [whole second, tokens in it]
+        self._ids = itertools.count()
+
+    # -- planning -------------------------------------------------------------------------
+    def plan(self, prompt: str, prompt_tokens: int, max_tokens: int | None,
+             min_tokens: int = 0, ignore_eos: bool = False) -> Request:
+        seed = seed_of(prompt)
+        natural = 8 + seed % 33
+        room = max(1, self.cap.context_len - prompt_tokens)
+        if max_tokens is None:
+            count, reason = natural, "stop"
+        elif ignore_eos:
+            count, reason = max_tokens, "length"
+        else:
+            count = min(natural, max_tokens)
+            reason = "length" if natural > max_tokens else "stop"
+        if min_tokens > count:
+            count = min_tokens if max_tokens is None else min(min_tokens, max_tokens)
+        if count >= room:
+            count, reason = room, "length"
+        return Request(rid=uuid.uuid4().hex, prompt_tokens=prompt_tokens,
+                       completion_tokens=max(0, count), finish_reason=reason, seed=seed)
+
+    # -- state ----------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_queue(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def in_flight(self) -> int:
+        return self.num_running + self.num_queue
+
+    @property
+    def used_tokens(self) -> int:
+        return sum(r.prompt_tokens + r.generated for r in self.running.values())
+
+    @property
+    def token_usage(self) -> float:
+        return self.used_tokens / self.cap.kv_tokens if self.cap.kv_tokens else 0.0
+
+    @property
+    def state_slots_used(self) -> int:
+        return self.num_running * self.cap.slots_per_request
+
+    def _prune(self, now: int) -> None:
+        while self._recent and self._recent[0][0] <= now - THROUGHPUT_WINDOW:
+            self._recent.popleft()
+
+    def _count_token(self) -> None:
+        now = int(time.monotonic())
+        if self._recent and self._recent[-1][0] == now:
+            self._recent[-1][1] += 1
+        else:
+            self._recent.append([now, 1])
+            self._prune(now)
+
+    @property
+    def gen_throughput(self) -> float:
+        """Tokens per second over the last few seconds."""
+        self._prune(int(time.monotonic()))
+        return sum(n for _, n in self._recent) / THROUGHPUT_WINDOW
+
+    def ready(self) -> bool:
+        """SGLang's `/ready`: started, not draining, not unhealthy."""
+        return self.status == "Up" and not self.draining
+
+    # -- the request's life ---------------------------------------------------------------
+    def _admit_waiting(self) -> None:
+        while self.waiting and self.num_running < self.cap.max_running_requests:
+            req = self.waiting.popleft()
+            self.running[req.rid] = req
+            req.admitted.set()
+            self.prefill_tokens_total += req.prompt_tokens
+            self.log.line(
+                f"Prefill batch, #new-seq: 1, #new-token: {req.prompt_tokens}, #cached-token: 0, "
+                f"full token usage: {self.token_usage:.2f}, mamba usage: "
+                f"{self.state_slots_used / max(1, self.cap.state_slots):.2f}, #running-req: "
+                f"{self.num_running - 1}, #queue-req: {self.num_queue}, #pending-token: 0, "
+                f"cuda graph: False, input throughput (token/s): 0.00", 0)
+
+    async def generate(self, req: Request) -> AsyncGenerator[str, None]:
+        """The request's tokens, paced; queued first when every running slot is taken. Closing
+        the iterator early (a client that went away) aborts the request."""
+        self.num_requests_total += 1
+        self.prompt_tokens_total += req.prompt_tokens
+        self.waiting.append(req)
+        self._admit_waiting()
+        finished = False
+        try:
+            await req.admitted.wait()
+            if self.faults.unhealthy:
+                await asyncio.Event().wait()  # a wedged scheduler never answers
+            while req.generated < req.completion_tokens:
+                await asyncio.sleep(self.token_seconds)
+                req.generated += 1
+                if req.first_token_at is None:
+                    req.first_token_at = time.monotonic()
+                self.generation_tokens_total += 1
+                self._count_token()
+                yield word(req.seed, req.generated - 1)
+            finished = True
+        finally:
+            if not finished:
+                self.num_aborted_requests_total += 1
+            self.running.pop(req.rid, None)
+            if req in self.waiting:
+                self.waiting.remove(req)
+            self._admit_waiting()
+
+    async def decode_log_loop(self) -> None:
+        """TP0's `Decode batch` line every --decode-log-interval steps while anything runs."""
+        interval = max(0.2, self.args.decode_log_interval * self.token_seconds)
+        while True:
+            await asyncio.sleep(interval)
+            if not self.running or self.faults.unhealthy:
+                continue
+            self.log.line(
+                f"Decode batch, #running-req: {self.num_running}, #full token: "
+                f"{self.used_tokens}, full token usage: {self.token_usage:.2f}, mamba num: "
+                f"{self.state_slots_used}, mamba usage: "
+                f"{self.state_slots_used / max(1, self.cap.state_slots):.2f}, cuda graph: True, "
+                f"gen throughput (token/s): {self.gen_throughput:.2f}, #queue-req: "
+                f"{self.num_queue}", 0)

@@ -1,0 +1,24 @@
+"""Every console route, in one list for `create_app`."""
+
+from __future__ import annotations
+
+from litestar.handlers import BaseRouteHandler
+
+from appliance.ui.engine import engine_action_ui, engine_page, engine_status_partial
+from appliance.ui.login import change_password, login, login_page, logout, password_page
+from appliance.ui.pages import (
+    audit_page,
+    create_token_ui,
+    dashboard,
+    events_page,
+    revoke_token_ui,
+    settings_page,
+)
+
+
+def ui_handlers() -> list[BaseRouteHandler]:
+    return [
+        login_page, login, logout, password_page, change_password,
+        dashboard, audit_page, events_page, settings_page, create_token_ui, revoke_token_ui,
+        engine_page, engine_status_partial, engine_action_ui,
+    ]

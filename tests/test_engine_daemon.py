@@ -1,0 +1,129 @@
+"""The engine through the real daemon process, its API and its CLI.
+
+Fault 2: kill -9 of the daemon while the engine loads — the engine keeps running, the
+restarted daemon adopts it (same pid, no second engine) and its progress carries on to READY.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.conftest import free_port, run_cli
+from tests.test_engine_lifecycle import write_model
+from tests.test_server import Daemon
+
+LOAD_SECONDS = "12"
+
+
+def box_config(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "appliance.toml"
+    path.write_text(
+        f"[server]\nport = {free_port()}\n\n"
+        f'[paths]\nstate_dir = "{root / "state"}"\nmodels_dir = "{root / "models"}"\n'
+        f'log_dir = "{root / "log"}"\n\n'
+        f'[engine]\nrunner = "process"\ncommand = ["{sys.executable}", "-m", '
+        f'"appliance.testing.fake_sglang"]\nvenv = ""\nport = {free_port()}\n\n'
+        "[gpu]\nexpected_count = 0\n"  # no NVML here: GPU checks become warnings
+    )
+    write_model(root / "models")
+    return path
+
+
+def engine_cli(config: Path, *args: str) -> dict[str, Any]:
+    result = run_cli("--config", str(config), "engine", *args, "--json")
+    assert result.returncode == 0, result.stderr
+    body: dict[str, Any] = json.loads(result.stdout)
+    return body
+
+
+def wait_state(config: Path, wanted: set[str], timeout: float = 90) -> dict[str, Any]:
+    end = time.monotonic() + timeout
+    while True:
+        status = engine_cli(config, "status")
+        if status["state"] in wanted:
+            return status
+        assert time.monotonic() < end, f"engine stuck in {status['state']}: {status}"
+        time.sleep(0.5)
+
+
+def emulators(port: int) -> list[int]:
+    """Engine main processes (session leaders) serving this port."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "appliance.testing.fake_sglang" in cmdline and str(port) in cmdline:
+            try:
+                if os.getpgid(proc.pid) == proc.pid:
+                    found.append(proc.pid)
+            except ProcessLookupError:
+                pass
+    return found
+
+
+@pytest.fixture
+def box(tmp_path: Path) -> Path:
+    config = box_config(tmp_path / "box")
+    assert run_cli("--config", str(config), "migrate").returncode == 0
+    created = run_cli("--config", str(config), "admin", "create", "--username", "ops",
+                      "--password-stdin", input="a sturdy passphrase\n")
+    assert created.returncode == 0, created.stderr
+    return config
+
+
+def test_kill_9_daemon_while_loading_then_adopt(box: Path) -> None:
+    env = {"FAKE_SGLANG_LOAD_SECONDS": LOAD_SECONDS}
+    daemon = Daemon(box, env=env)
+    daemon.wait_ready()
+    port = daemon.settings.engine.port
+    second = None
+    try:
+        started = engine_cli(box, "start")
+        assert started["pending"] == "start" or started["state"] in ("preflight", "launching")
+        loading = wait_state(box, {"loading_weights"})
+        pids = emulators(port)
+        assert len(pids) == 1
+        daemon.proc.send_signal(signal.SIGKILL)
+        daemon.proc.wait(timeout=10)
+        assert psutil.pid_exists(pids[0])  # the engine outlived the daemon
+
+        second = Daemon(box, env=env)
+        second.wait_ready()
+        adopted = engine_cli(box, "status")
+        assert adopted["adopted"] is True
+        assert adopted["run_id"] == loading["run_id"]
+        ready = wait_state(box, {"ready"})
+        assert ready["log"]["ready"] is True
+        assert emulators(port) == pids  # the same engine, and no second one
+        refused = run_cli("--config", str(box), "engine", "stop")
+        assert refused.returncode != 0 and "confirm" in refused.stderr
+        stopped = engine_cli(box, "stop", "--yes")
+        assert stopped["pending"] == "stop" or stopped["state"] in ("draining", "stopping")
+        wait_state(box, {"stopped"})
+        assert emulators(port) == []
+    finally:
+        for proc in (daemon, second):
+            if proc is not None and proc.proc.poll() is None:
+                proc.stop()
+        for pid in emulators(port):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def test_parse_log_cli_reads_a_log_without_any_config(tmp_path: Path) -> None:
+    sample = Path(__file__).parent / "data" / "engine_logs" / "k3_startup.sample.log"
+    result = run_cli("engine", "parse-log", str(sample))
+    assert result.returncode == 0, result.stderr
+    assert "\N{MULTIPLICATION SIGN} DCP8 =" in result.stdout
+    as_json = json.loads(run_cli("engine", "parse-log", str(sample), "--json").stdout)
+    assert as_json["ready"] is True
+    missing = run_cli("engine", "parse-log", str(tmp_path / "nope.log"))
+    assert missing.returncode == 64 and "cannot read" in missing.stderr
