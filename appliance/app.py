@@ -31,6 +31,7 @@ from appliance import __version__
 from appliance.api.engine import engine_router
 from appliance.api.routes import api_router
 from appliance.auth.middleware import CSRF_COOKIE, PUBLIC_PATHS, AdminAuthMiddleware
+from appliance.engine.schedule import restore_scheduled
 from appliance.errors import ApplianceError
 from appliance.hostguard import HostGuard
 from appliance.housekeeping import schedule_housekeeping
@@ -177,6 +178,7 @@ async def _start(runtime: Runtime) -> None:
     if not runtime.scheduler.running:
         runtime.scheduler.start()
     await runtime.supervisor.start_service()
+    await restore_scheduled(runtime)
 
 
 async def _stop(runtime: Runtime) -> None:

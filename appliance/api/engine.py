@@ -7,11 +7,12 @@ it the answer is 409 with the expected cost from this box's load history.
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from litestar import Request, Router, get, post
+from litestar import Request, Router, delete, get, post
 from litestar.params import FromPath, JSONBody, QueryParameter
 from litestar.response import ServerSentEvent
 
@@ -21,6 +22,12 @@ from appliance.auth.guards import password_current
 from appliance.auth.middleware import AuthInfo, client_address
 from appliance.engine.logtail import follow, tail
 from appliance.engine.records import list_runs
+from appliance.engine.schedule import (
+    Scheduled,
+    cancel_action,
+    list_scheduled,
+    schedule_action,
+)
 from appliance.engine.states import LIVE, Command
 from appliance.engine.views import run_dict, spec_rows, status_dict
 from appliance.errors import ApplianceError
@@ -37,6 +44,7 @@ def _runtime(request: Request[Any, Any, Any]) -> Runtime:
 @dataclass(frozen=True)
 class ActionBody:
     confirm: bool = False
+    at: dt.datetime | None = None  # run in a maintenance window instead of now
 
 
 def cost_sentence(runtime: Runtime) -> str:
@@ -47,14 +55,19 @@ def cost_sentence(runtime: Runtime) -> str:
 
 
 async def run_action(runtime: Runtime, command: Command, confirm: bool, actor: str,
-                     address: str, via: str) -> dict[str, Any]:
-    """Queue `command` for the supervisor after the confirmation rule; audited."""
+                     address: str, via: str, at: dt.datetime | None = None) -> dict[str, Any]:
+    """Queue `command` for the supervisor (or schedule it) after the confirmation rule;
+    audited."""
     live = runtime.supervisor.status.state in LIVE
-    if command in (Command.STOP, Command.RESTART) and live and not confirm:
+    if command in (Command.STOP, Command.RESTART) and (live or at) and not confirm:
         raise ApplianceError(
             "confirmation_required",
             f"{command.value} ends the running engine; {cost_sentence(runtime)}",
             "repeat with confirm=true (the console asks for you)", status=409)
+    if at is not None:
+        scheduled = await schedule_action(runtime, command, at, actor=actor, address=address)
+        return {**status_dict(runtime.supervisor.status),
+                "scheduled": scheduled_dict(scheduled)}
     future = runtime.supervisor.submit(command, actor)
     await audit(runtime, actor=actor, address=address, action=f"engine.{command.value}",
                 target=runtime.config.engine.served_model_name, detail={"via": via})
@@ -94,7 +107,26 @@ async def engine_action(
                              "use start, stop, restart or rollback", status=404) from None
     body = data or ActionBody()
     return await run_action(_runtime(request), command, body.confirm, request.user.username,
-                            client_address(request), f"api:{request.auth.kind}")
+                            client_address(request), f"api:{request.auth.kind}", body.at)
+
+
+def scheduled_dict(action: Scheduled) -> dict[str, Any]:
+    return {"id": action.id, "command": action.command, "run_at": action.run_at.isoformat(),
+            "created_by": action.created_by, "status": action.status,
+            "outcome": action.outcome}
+
+
+@get("/scheduled", summary="Engine actions scheduled for maintenance windows")
+async def engine_scheduled(request: AdminRequest) -> list[dict[str, Any]]:
+    actions = await _runtime(request).db.run(list_scheduled)
+    return [scheduled_dict(a) for a in actions]
+
+
+@delete("/scheduled/{action_id:int}", status_code=200, summary="Cancel a scheduled action")
+async def engine_schedule_cancel(request: AdminRequest, action_id: FromPath[int]) -> dict[str, Any]:
+    cancelled = await cancel_action(_runtime(request), action_id, actor=request.user.username,
+                                    address=client_address(request))
+    return scheduled_dict(cancelled)
 
 
 @get("/log", summary="The last lines of the engine log (filter by rank and level)")
@@ -126,4 +158,5 @@ async def engine_log_stream(
 def engine_router() -> Router:
     return Router(path="/api/v1/engine", guards=[password_current], tags=["engine"],
                   route_handlers=[engine_status, engine_spec, engine_runs, engine_log,
-                                  engine_log_stream, engine_action])
+                                  engine_log_stream, engine_scheduled, engine_schedule_cancel,
+                                  engine_action])

@@ -165,3 +165,18 @@ class EngineControl(Base):
     last_good_spec_json: Mapped[str | None] = mapped_column(Text, nullable=True)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
     updated_by: Mapped[str] = mapped_column(String(128), nullable=False, default="")
+
+
+class ScheduledAction(Base):
+    """An engine action an operator chose to run in a maintenance window."""
+
+    __tablename__ = "scheduled_actions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    command: Mapped[str] = mapped_column(String(16), nullable=False)
+    run_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False, index=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
+    created_by: Mapped[str] = mapped_column(String(128), nullable=False)
+    status: Mapped[str] = mapped_column(String(16), nullable=False)  # pending|done|failed|...
+    outcome: Mapped[str] = mapped_column(Text, nullable=False, default="")
+    finished_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)

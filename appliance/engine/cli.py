@@ -34,6 +34,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                             ("rollback", "start with the last spec that reached READY")):
         cmd = engine_sub.add_parser(name, parents=[common], help=help_text)
         cmd.add_argument("--json", action="store_true", help="print JSON")
+        if name != "status":
+            cmd.add_argument("--at", type=_when, metavar="ISO-TIME",
+                             help="run in a maintenance window, e.g. 2026-12-01T02:00:00Z")
         if name in ("stop", "restart"):
             cmd.add_argument("--yes", action="store_true",
                              help="confirm ending a running engine (a start costs ~90 min)")
@@ -63,13 +66,26 @@ def run(args: argparse.Namespace, config: Config) -> int:
         if command == "status":
             status = _checked(api.get("/api/v1/engine/"))
         else:
-            body = {"confirm": bool(getattr(args, "yes", False))}
+            body: dict[str, Any] = {"confirm": bool(getattr(args, "yes", False))}
+            if args.at is not None:
+                body["at"] = args.at.isoformat()
             status = _checked(api.post(f"/api/v1/engine/{command}", json=body))
     if args.json:
         print(json.dumps(status, indent=2))
     else:
         print(describe_status(status))
     return 0
+
+
+def _when(text: str) -> dt.datetime:
+    try:
+        moment = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an ISO time such as 2026-12-01T02:00:00Z") from None
+    if moment.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"{text!r} has no time zone; add Z or +01:00")
+    return moment
 
 
 def parse_log(path: Path, *, as_json: bool) -> int:
@@ -165,6 +181,10 @@ def _checked(response: httpx.Response) -> dict[str, Any]:
 
 def describe_status(status: dict[str, Any]) -> str:
     lines = [f"engine: {status['state'].replace('_', ' ')} — {status['message']}"]
+    if status.get("scheduled"):
+        planned = status["scheduled"]
+        lines.append(f"scheduled: {planned['command']} at {planned['run_at']} "
+                     f"(id {planned['id']})")
     if status.get("percent") is not None and status["state"] not in ("ready", "stopped"):
         eta = status.get("eta_seconds")
         lines.append(f"progress: {status['percent']:.0f}%"
