@@ -10,16 +10,51 @@ here, so `make demo` always shows everything that exists.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
+import struct
 import sys
+from pathlib import Path
+
+from sqlalchemy.orm import Session
 
 from appliance.auth.bootstrap import bootstrap_file, ensure_first_admin
 from appliance.cli import main as cli_main
 from appliance.cli import serve
 from appliance.config import load_config
 from appliance.db.database import Database
+from appliance.engine.records import get_desired, list_runs, set_desired
 from appliance.errors import ApplianceError
 from appliance.testing.fake_gpus import FakeGpus
+
+DEMO_SHARDS = 12
+DEMO_SHARD_BYTES = 8 << 20
+
+
+def ensure_demo_weights(model_dir: Path) -> None:
+    """A tiny stand-in checkpoint (demo only): config.json plus small safetensors files the
+    engine emulator reads, so bytes-read progress moves as it would on the real box."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    config = model_dir / "config.json"
+    if not config.exists():
+        config.write_text(json.dumps({"model_type": "kimi_k3", "note": "appliance demo stand-in"}))
+    header = json.dumps({"__metadata__": {"format": "pt", "demo": "appliance"}}).encode()
+    for i in range(DEMO_SHARDS):
+        shard = model_dir / f"model-{i + 1:05d}-of-{DEMO_SHARDS:05d}.safetensors"
+        if not shard.exists():
+            shard.write_bytes(struct.pack("<Q", len(header)) + header
+                              + os.urandom(DEMO_SHARD_BYTES))
+
+
+def want_engine_running_once(db: Database, now: dt.datetime) -> None:
+    """On the demo's first run, ask for the engine to run: the supervisor then starts the
+    emulator when the daemon starts, exactly as it converges on a real box."""
+
+    def apply(session: Session) -> None:
+        if not list_runs(session, 1) and get_desired(session).updated_at is None:
+            set_desired(session, running=True, at=now, by="demo")
+
+    db.call(apply)
 
 
 def main() -> int:
@@ -33,6 +68,8 @@ def main() -> int:
     db = Database(config.database_url)
     now = dt.datetime.now(dt.UTC)
     db.call(lambda s: ensure_first_admin(s, config.paths.state_dir, now))
+    ensure_demo_weights(config.paths.models_dir / config.engine.model.replace("/", "--"))
+    want_engine_running_once(db, now)
     db.dispose()
     server = config.server
     credential = bootstrap_file(config.paths.state_dir)
