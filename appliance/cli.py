@@ -272,6 +272,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             # A log someone sent needs no daemon and no configuration to be read.
             return engine_cli.parse_log(args.file, as_json=args.json)
+        if args.command == "engine" and args.engine_command == "exec-spec" and args.spec:
+            from appliance.engine import cli as engine_cli
+
+            # The engine unit runs this as its own user, which may not write the daemon's
+            # state or log directories (ProtectSystem=strict): the spec is all it needs.
+            engine_cli.exec_spec(args.spec)
         config = load_config(getattr(args, "config", None), dev=getattr(args, "dev", False))
         logging.basicConfig(level=config.logging.level.upper(),
                             format="%(levelname)s %(name)s: %(message)s")

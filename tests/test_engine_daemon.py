@@ -127,3 +127,11 @@ def test_parse_log_cli_reads_a_log_without_any_config(tmp_path: Path) -> None:
     assert as_json["ready"] is True
     missing = run_cli("engine", "parse-log", str(tmp_path / "nope.log"))
     assert missing.returncode == 64 and "cannot read" in missing.stderr
+
+
+def test_exec_spec_needs_no_config_and_refuses_a_corrupt_spec(tmp_path: Path) -> None:
+    spec = tmp_path / "launch-spec.json"
+    spec.write_text("{not json")
+    result = run_cli("engine", "exec-spec", "--spec", str(spec))
+    assert result.returncode == 64
+    assert "cannot use the launch spec" in result.stderr and "configuration" not in result.stderr

@@ -351,3 +351,26 @@ def test_double_start_is_one_action(box: tuple[Config, Database], emulator_env: 
 
     run(scenario)
     assert len(db.call(lambda s: list_runs(s))) == 1
+
+
+def test_a_launch_that_cannot_start_is_failed_not_stuck(tmp_path: Path,
+                                                        emulator_env: Path) -> None:
+    from appliance.db.schema import migrate
+    from appliance.resources import migrations_dir
+
+    config = engine_config(tmp_path / "nolaunch",
+                           APPLIANCE_ENGINE_COMMAND=str(tmp_path / "no-such-sglang"))
+    db = Database(config.database_url)
+    migrate(db, migrations_dir(), config.paths.state_dir / "backups", SystemClock().now())
+    supervisor = supervisor_for(config, db, emulator_env)
+
+    async def scenario() -> None:
+        async with serving(supervisor):
+            with pytest.raises(ApplianceError) as caught:
+                await supervisor.submit(Command.START, "tester")
+            assert "no-such-sglang" in caught.value.message
+            assert supervisor.status.state is EngineState.FAILED
+            assert supervisor.status.reason == "launch_failed"
+
+    run(scenario)
+    db.dispose()

@@ -328,7 +328,17 @@ class Supervisor:
         self._transition(EngineState.LAUNCHING, "launching the engine")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        ident = await asyncio.to_thread(self.runner.launch, spec, self.log_path)
+        try:
+            ident = await asyncio.to_thread(self.runner.launch, spec, self.log_path)
+        except (ApplianceError, OSError) as exc:
+            message = exc.message if isinstance(exc, ApplianceError) else str(exc)
+            hint = exc.hint if isinstance(exc, ApplianceError) else (
+                "check engine.command and that the engine's program exists")
+            await self._event("error", f"engine launch failed: {message}")
+            self._transition(EngineState.FAILED, f"launch failed: {message}",
+                             reason="launch_failed", hint=hint)
+            raise ApplianceError("engine_launch_failed", f"engine launch failed: {message}",
+                                 hint, status=500) from exc
         at = self.clock.now()
         run = await self.db.run(lambda s: open_run(
             s, at=at, runner=self.runner.name, spec_hash=spec.spec_hash, spec_json=spec.to_json(),
