@@ -19,22 +19,19 @@ import pytest
 
 from tests.conftest import free_port, run_cli
 from tests.test_engine_lifecycle import write_model
-from tests.test_server import Daemon
+from tests.test_server import Daemon, write_config
 
 LOAD_SECONDS = "12"
 
 
 def box_config(root: Path) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / "appliance.toml"
-    path.write_text(
-        f"[server]\nport = {free_port()}\n\n"
-        f'[paths]\nstate_dir = "{root / "state"}"\nmodels_dir = "{root / "models"}"\n'
-        f'log_dir = "{root / "log"}"\n\n'
-        f'[engine]\nrunner = "process"\ncommand = ["{sys.executable}", "-m", '
-        f'"appliance.testing.fake_sglang"]\nvenv = ""\nport = {free_port()}\n\n'
-        "[gpu]\nexpected_count = 0\n"  # no NVML here: GPU checks become warnings
-    )
+    path = write_config(root)
+    with path.open("a") as handle:
+        handle.write(
+            f'\n[engine]\nrunner = "process"\ncommand = ["{sys.executable}", "-m", '
+            f'"appliance.testing.fake_sglang"]\nvenv = ""\nport = {free_port()}\n\n'
+            "[gpu]\nexpected_count = 0\n"  # no NVML here: GPU checks become warnings
+        )
     write_model(root / "models")
     return path
 

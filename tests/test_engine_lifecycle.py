@@ -25,10 +25,12 @@ from appliance.clock import SystemClock
 from appliance.config import Config
 from appliance.db.database import Database
 from appliance.db.journal import list_events
+from appliance.db.schema import migrate
 from appliance.engine.records import list_runs
 from appliance.engine.states import START_ORDER, Command, EngineState
 from appliance.engine.supervisor import Supervisor
 from appliance.errors import ApplianceError
+from appliance.resources import migrations_dir
 from appliance.runtime import build_runtime
 from appliance.testing.clock import FakeClock
 from appliance.testing.fake_gpus import FakeGpus
@@ -117,15 +119,17 @@ def group_gone(pgid: int) -> bool:
     return True
 
 
-@pytest.fixture
-def box(tmp_path: Path, emulator_env: Path) -> Iterator[tuple[Config, Database]]:
+def migrated_box(root: Path, **env: str) -> tuple[Config, Database]:
     """A dev-profile box (process runner, emulator command) with a migrated database."""
-    from appliance.db.schema import migrate
-    from appliance.resources import migrations_dir
-
-    config = engine_config(tmp_path / "box")
+    config = engine_config(root, **env)
     database = Database(config.database_url)
     migrate(database, migrations_dir(), config.paths.state_dir / "backups", SystemClock().now())
+    return config, database
+
+
+@pytest.fixture
+def box(tmp_path: Path, emulator_env: Path) -> Iterator[tuple[Config, Database]]:
+    config, database = migrated_box(tmp_path / "box")
     yield config, database
     database.dispose()
 
@@ -209,12 +213,8 @@ def test_crash_backs_off_and_retries_then_fails_with_rollback(
 
 
 def test_bad_argument_fails_at_once_without_retry(tmp_path: Path, emulator_env: Path) -> None:
-    from appliance.db.schema import migrate
-    from appliance.resources import migrations_dir
-
-    config = engine_config(tmp_path / "bad", APPLIANCE_ENGINE_EXTRA_ARGS="--mem-fraction-statc,0.9")
-    db = Database(config.database_url)
-    migrate(db, migrations_dir(), config.paths.state_dir / "backups", SystemClock().now())
+    config, db = migrated_box(tmp_path / "bad",
+                              APPLIANCE_ENGINE_EXTRA_ARGS="--mem-fraction-statc,0.9")
     supervisor = supervisor_for(config, db, emulator_env)
 
     async def scenario() -> None:
@@ -355,13 +355,8 @@ def test_double_start_is_one_action(box: tuple[Config, Database], emulator_env: 
 
 def test_a_launch_that_cannot_start_is_failed_not_stuck(tmp_path: Path,
                                                         emulator_env: Path) -> None:
-    from appliance.db.schema import migrate
-    from appliance.resources import migrations_dir
-
-    config = engine_config(tmp_path / "nolaunch",
-                           APPLIANCE_ENGINE_COMMAND=str(tmp_path / "no-such-sglang"))
-    db = Database(config.database_url)
-    migrate(db, migrations_dir(), config.paths.state_dir / "backups", SystemClock().now())
+    config, db = migrated_box(tmp_path / "nolaunch",
+                              APPLIANCE_ENGINE_COMMAND=str(tmp_path / "no-such-sglang"))
     supervisor = supervisor_for(config, db, emulator_env)
 
     async def scenario() -> None:
