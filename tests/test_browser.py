@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 
 from appliance import __version__
 from appliance.auth.accounts import authenticate
+from appliance.auth.tokens import list_tokens
 from appliance.db.journal import AuditRecord, add_audit, list_audit
 from appliance.runtime import Runtime
 from appliance.testing.clock import FakeClock
@@ -327,3 +328,16 @@ def test_logout_ends_the_session(alice: Page, context: BrowserContext, server: L
         response = replay.get("/")
     assert response.status_code == 303
     assert response.headers["location"] == "/login"
+
+
+@pytest.mark.browser
+def test_a_refused_form_shows_its_reason(alice: Page, runtime: Runtime) -> None:
+    """A 4xx answer to an htmx form is shown where the form is, not silently dropped."""
+    page = alice
+    page.goto("/settings")
+    tokens = page.locator("#tokens")
+    tokens.get_by_label("Name").fill("ok name")
+    tokens.get_by_label("Expires in days").fill("-3")
+    tokens.get_by_role("button", name="Create token").click()
+    expect(tokens.get_by_role("alert")).to_contain_text("whole number of days")
+    assert runtime.db.call(list_tokens) == []

@@ -546,8 +546,9 @@ def test_a_refused_systemctl_names_the_command_and_points_at_polkit(host: Host) 
 def test_no_systemctl_says_to_use_the_process_runner(tmp_path: Path) -> None:
     runner = SystemdRunner(tmp_path / "state", tmp_path / "engine.log",
                            systemctl=str(tmp_path / "no-such" / "systemctl"))
+    assert runner.find() is None  # never launched here: nothing to ask systemd about
     with pytest.raises(ApplianceError) as raised:
-        runner.find()
+        runner.show()
     assert raised.value.code == "systemctl_missing"
     assert "no-such/systemctl" in raised.value.message
     assert 'engine.runner = "process"' in raised.value.hint

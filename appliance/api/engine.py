@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from litestar import Request, Router, delete, get, post
 from litestar.params import FromPath, JSONBody, QueryParameter
@@ -51,7 +51,8 @@ def cost_sentence(runtime: Runtime) -> str:
     typical = runtime.supervisor.status.expected_start_seconds
     if typical is None:
         return "a cold start of Kimi K3 takes about 90 minutes (no start measured on this box yet)"
-    return f"a start takes about {typical / 60:.0f} minutes on this box (median of recent starts)"
+    took = f"{typical:.0f} seconds" if typical < 90 else f"{typical / 60:.0f} minutes"
+    return f"a start takes about {took} on this box (median of recent starts)"
 
 
 async def run_action(runtime: Runtime, command: Command, confirm: bool, actor: str,
@@ -69,10 +70,13 @@ async def run_action(runtime: Runtime, command: Command, confirm: bool, actor: s
         return {**status_dict(runtime.supervisor.status),
                 "scheduled": scheduled_dict(scheduled)}
     future = runtime.supervisor.submit(command, actor)
+    refused = future.exception() if future.done() else None
     await audit(runtime, actor=actor, address=address, action=f"engine.{command.value}",
-                target=runtime.config.engine.served_model_name, detail={"via": via})
-    if future.done() and future.exception() is not None:
-        raise future.exception()  # type: ignore[misc]
+                target=runtime.config.engine.served_model_name,
+                outcome="denied" if refused else "ok",
+                detail={"via": via, **({"refused": str(refused)} if refused else {})})
+    if refused is not None:
+        raise refused
     return status_dict(runtime.supervisor.status)
 
 
@@ -134,7 +138,7 @@ async def engine_log(
     request: AdminRequest,
     lines: Annotated[int, QueryParameter(ge=1, le=5000)] = 200,
     rank: Annotated[int | None, QueryParameter(ge=0)] = None,
-    level: Annotated[str, QueryParameter()] = "",
+    level: Annotated[Literal["", "info", "warning", "error"], QueryParameter()] = "",
 ) -> dict[str, Any]:
     runtime = _runtime(request)
     return {"lines": await tail(runtime.supervisor.log_path, lines, rank=rank, level=level)}
@@ -144,7 +148,7 @@ async def engine_log(
 async def engine_log_stream(
     request: AdminRequest,
     rank: Annotated[int | None, QueryParameter(ge=0)] = None,
-    level: Annotated[str, QueryParameter()] = "",
+    level: Annotated[Literal["", "info", "warning", "error"], QueryParameter()] = "",
 ) -> ServerSentEvent:
     path = _runtime(request).supervisor.log_path
 

@@ -196,6 +196,8 @@ class Supervisor:
         self._retry: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[EngineStatus], None]] = []
         self._history: list[float] = []
+        # Run-record writes are read-modify-write (the phase list): one at a time, in order.
+        self._run_writes = asyncio.Lock()
 
     # --- reading ------------------------------------------------------------------------
 
@@ -224,7 +226,14 @@ class Supervisor:
         self._set(rollback_available=desired.last_good_spec_json is not None,
                   expected_start_seconds=self._typical_start())
         self._tasks.append(asyncio.create_task(self._commands()))
-        await self._reconcile(desired.running)
+        try:
+            await self._reconcile(desired.running)
+        except ApplianceError as exc:
+            # The console must come up even when the engine cannot be seen (systemctl
+            # refused, a broken unit): say so, and let the operator act.
+            await self._event("error", f"cannot tell whether an engine runs: {exc.message}")
+            self._transition(EngineState.STOPPED, f"engine state unknown: {exc.message}",
+                             reason="runner_unavailable", hint=exc.hint)
 
     async def stop_service(self) -> None:
         """The daemon is going down: stop watching. The engine keeps running (by design)."""
@@ -468,7 +477,7 @@ class Supervisor:
             if healthy and spec_json is not None:
                 set_desired(s, at=at, by="supervisor", last_good_spec_json=spec_json)
 
-        await asyncio.shield(self.db.run(record))
+        await asyncio.shield(self._write_run(record))
         if healthy and not live.run.adopted:
             self._history = [seconds, *self._history][:10]
         self._set(rollback_available=self._status.rollback_available or healthy,
@@ -510,7 +519,7 @@ class Supervisor:
                          hint: str) -> None:
         at = self.clock.now()
         figures = render_json(live.parsed)
-        await self.db.run(lambda s: update_run(
+        await self._write_run(lambda s: update_run(
             s, live.run.id, ended_at=at, exit_code=exit_code, reason=reason, hint=hint,
             figures=figures))
         await asyncio.to_thread(self.runner.forget)
@@ -685,8 +694,13 @@ class Supervisor:
             at = self.clock.now()
             run_id = live.run.id
             task = asyncio.get_running_loop().create_task(
-                self.db.run(lambda s: update_run(s, run_id, phase=(state.value, at))))
+                self._write_run(lambda s: update_run(s, run_id, phase=(state.value, at))))
             task.add_done_callback(_log_failure)
+
+    async def _write_run(self, fn: Callable[[Any], Any]) -> Any:
+        """Write to the run record after every earlier write (asyncio.Lock is FIFO)."""
+        async with self._run_writes:
+            return await self.db.run(fn)
 
     async def _event(self, severity: str, message: str) -> None:
         at = self.clock.now()

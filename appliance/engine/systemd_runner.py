@@ -168,6 +168,8 @@ class SystemdRunner:
         launch, or one started otherwise (by hand, or the daemon died before recording it)
         when the spec file predates its main process. None if the unit is not running or
         what it runs cannot be told."""
+        if not self.spec_path.exists():
+            return None  # this daemon never launched anything here: nothing of ours to adopt
         props = self.show()
         main = self._main(props)
         invocation = props.get("InvocationID", "")

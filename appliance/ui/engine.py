@@ -19,30 +19,39 @@ from appliance.errors import ApplianceError
 from appliance.ui.login import AdminRequest, runtime_of
 from appliance.ui.pages import GUARDED
 
+RUNS_SHOWN = 15
 
-def _status_context(request: AdminRequest) -> dict[str, Any]:
+
+async def _status_context(request: AdminRequest, *, oob_runs: bool) -> dict[str, Any]:
+    """The status card's context, with the runs table: on the page it is rendered in place;
+    in an htmx answer (`oob_runs`) it rides along as an out-of-band swap, so the runs follow
+    the state without a reload."""
     runtime = runtime_of(request)
-    return {"engine": runtime.supervisor.status, "cost": cost_sentence(runtime), "error": ""}
+    runs = await runtime.db.run(lambda s: list_runs(s, RUNS_SHOWN))
+    return {"engine": runtime.supervisor.status, "cost": cost_sentence(runtime), "error": "",
+            "error_hint": "", "runs": runs, "oob_runs": oob_runs}
 
 
 @get("/engine", **GUARDED)
 async def engine_page(request: AdminRequest) -> Template:
     runtime = runtime_of(request)
-    runs = await runtime.db.run(lambda s: list_runs(s, 15))
+    argv: list[str] = []
+    spec_error = ""
     try:
         spec = runtime.supervisor.current_spec()
-        flags, argv = spec_rows(spec), " ".join(spec.argv())
+        flags, argv = spec_rows(spec), spec.argv()
     except ApplianceError as exc:
-        flags, argv = [], f"(cannot build the launch spec: {exc.message})"
+        flags, spec_error = [], f"cannot build the launch spec: {exc.message}"
     return Template("pages/engine.html", context={
-        **_status_context(request), "nav": "engine", "runs": runs, "flags": flags,
-        "argv": argv, "tp_size": runtime.config.engine.tp_size,
+        **await _status_context(request, oob_runs=False), "nav": "engine", "flags": flags,
+        "argv": argv, "spec_error": spec_error, "tp_size": runtime.config.engine.tp_size,
     })
 
 
 @get("/engine/status", **GUARDED)
 async def engine_status_partial(request: AdminRequest) -> Template:
-    return Template("partials/engine_status.html", context=_status_context(request))
+    return Template("partials/engine_status.html",
+                    context=await _status_context(request, oob_runs=True))
 
 
 @dataclass
@@ -54,16 +63,22 @@ class ActionForm:
 async def engine_action_ui(
     request: AdminRequest, action: FromPath[str], data: URLEncodedBody[ActionForm]
 ) -> Template:
+    """Run an action from the Engine page; the answer is the status card. A refusal (409)
+    carries the card with the reason, which the page swaps in like a success."""
     runtime = runtime_of(request)
-    context = _status_context(request)
+    context = await _status_context(request, oob_runs=False)
+    status_code = 200
     try:
         command = Command(action)
-        await run_action(runtime, command, data.confirm == "yes", request.user.username,
-                         client_address(request), "console")
     except ValueError:
         context["error"] = f"Unknown engine action {action!r}."
-    except ApplianceError as exc:
-        context["error"] = f"{exc.message}. {exc.hint}"
+        status_code = 404
+    else:
+        try:
+            await run_action(runtime, command, data.confirm == "yes", request.user.username,
+                             client_address(request), "console")
+        except ApplianceError as exc:
+            context["error"], context["error_hint"] = exc.message, exc.hint
+            status_code = 409
     context["engine"] = runtime.supervisor.status
-    return Template("partials/engine_status.html", context=context,
-                    status_code=200 if not context["error"] else 409)
+    return Template("partials/engine_status.html", context=context, status_code=status_code)
