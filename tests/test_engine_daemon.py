@@ -83,6 +83,7 @@ def test_kill_9_daemon_while_loading_then_adopt(box: Path) -> None:
     daemon.wait_ready()
     port = daemon.settings.engine.port
     second = None
+    daemons: list[Daemon] = []
     try:
         started = engine_cli(box, "start")
         assert started["pending"] == "start" or started["state"] in ("preflight", "launching")
@@ -101,6 +102,16 @@ def test_kill_9_daemon_while_loading_then_adopt(box: Path) -> None:
         ready = wait_state(box, {"ready"})
         assert ready["log"]["ready"] is True
         assert emulators(port) == pids  # the same engine, and no second one
+
+        # And while it serves: kill -9 again; the next daemon adopts a READY engine.
+        second.proc.send_signal(signal.SIGKILL)
+        second.proc.wait(timeout=10)
+        third = Daemon(box, env=env)
+        daemons.append(third)
+        third.wait_ready()
+        serving = wait_state(box, {"ready"})
+        assert serving["adopted"] is True and serving["run_id"] == loading["run_id"]
+        assert emulators(port) == pids
         refused = run_cli("--config", str(box), "engine", "stop")
         assert refused.returncode != 0 and "confirm" in refused.stderr
         stopped = engine_cli(box, "stop", "--yes")
@@ -108,7 +119,7 @@ def test_kill_9_daemon_while_loading_then_adopt(box: Path) -> None:
         wait_state(box, {"stopped"})
         assert emulators(port) == []
     finally:
-        for proc in (daemon, second):
+        for proc in (daemon, second, *daemons):
             if proc is not None and proc.proc.poll() is None:
                 proc.stop()
         for pid in emulators(port):

@@ -91,3 +91,26 @@ def test_window_opening_hands_the_action_to_the_supervisor(runtime: Runtime,
     assert done.status == "failed" and "preflight failed" in done.outcome
     events = [e.message for e in runtime.db.call(lambda s: list_events(s, source="engine")).items]
     assert any(m.startswith("scheduled start (by alice)") for m in events)
+
+
+def test_console_schedules_and_cancels_in_a_window(logged_in: Console, runtime: Runtime,
+                                                   clock: FakeClock) -> None:
+    token = logged_in.page_token("/engine")
+    when = (clock.now() + dt.timedelta(days=1)).strftime("%Y-%m-%dT%H:%M")
+    form = {"command": "restart", "at": when, "_csrf_token": token}
+    headers = {"HX-Request": "true"}
+    refused = logged_in.http.post("/engine/schedule", data=form, headers=headers)
+    assert refused.status_code == 409 and "confirm" in refused.text
+    assert runtime.db.call(list_scheduled) == []
+    done = logged_in.http.post("/engine/schedule", data={**form, "confirm": "yes"},
+                               headers=headers)
+    assert done.status_code == 200 and "restart scheduled for" in done.text
+    (action,) = runtime.db.call(list_scheduled)
+    assert action.run_at.strftime("%Y-%m-%dT%H:%M") == when and action.status == "pending"
+    bad = logged_in.http.post("/engine/schedule", data={**form, "at": "tomorrow"},
+                              headers=headers)
+    assert bad.status_code == 422 and "date and time" in bad.text
+    cancelled = logged_in.http.post(f"/engine/scheduled/{action.id}/cancel",
+                                    data={"_csrf_token": token}, headers=headers)
+    assert cancelled.status_code == 200 and "Cancelled." in cancelled.text
+    assert runtime.db.call(list_scheduled)[0].status == "cancelled"

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from litestar.handlers import BaseRouteHandler
 
-from appliance.ui.engine import engine_action_ui, engine_page, engine_status_partial
+from appliance.ui.engine import (
+    engine_action_ui,
+    engine_page,
+    engine_schedule_cancel_ui,
+    engine_schedule_partial,
+    engine_schedule_ui,
+    engine_status_partial,
+)
 from appliance.ui.login import change_password, login, login_page, logout, password_page
 from appliance.ui.pages import (
     audit_page,
@@ -20,5 +27,6 @@ def ui_handlers() -> list[BaseRouteHandler]:
     return [
         login_page, login, logout, password_page, change_password,
         dashboard, audit_page, events_page, settings_page, create_token_ui, revoke_token_ui,
-        engine_page, engine_status_partial, engine_action_ui,
+        engine_page, engine_status_partial, engine_action_ui, engine_schedule_partial,
+        engine_schedule_ui, engine_schedule_cancel_ui,
     ]
