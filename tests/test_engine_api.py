@@ -368,7 +368,12 @@ def test_refused_start_is_not_audited_as_done(engine_box: LiveServer, session: C
     """A second start while the first one loads is refused (409); the audit log must not say
     it was done."""
     assert post_action(session, "start").status_code == 202
-    wait_until(lambda: state_of(session.http) not in ("stopped", "preflight"), "a launch")
+
+    def launched() -> bool:  # the start command has finished (a second one while it is
+        body = session.http.get(f"{ENGINE}/").json()  # pending is the same action)
+        return body["pending"] is None and body["state"] not in ("stopped", "preflight")
+
+    wait_until(launched, "a launch")
     again = post_action(session, "start")
     assert again.status_code == 409, again.text
     assert again.json()["code"] == "engine_command_refused"
