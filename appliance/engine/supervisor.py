@@ -188,7 +188,8 @@ class Supervisor:
         self.ready_interval = ready_interval
         self.backoff_base = backoff_base
         self._status = EngineStatus(since=clock.now())
-        self._queue: asyncio.Queue[tuple[Command, str, asyncio.Future[EngineStatus]]] | None = None
+        self._queue: asyncio.Queue[tuple[Command, str, int, asyncio.Future[EngineStatus]]] | None
+        self._queue = None
         self._pending: dict[Command, asyncio.Future[EngineStatus]] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self._live: _Live | None = None
@@ -248,8 +249,13 @@ class Supervisor:
 
     # --- commands -----------------------------------------------------------------------
 
-    def submit(self, command: Command, actor: str) -> asyncio.Future[EngineStatus]:
-        """Queue a command; a command already waiting or running is the same action."""
+    def submit(self, command: Command, actor: str,
+               attempt: int = 1) -> asyncio.Future[EngineStatus]:
+        """Queue a command; a command already waiting or running is the same action.
+
+        Retries after a crash come through here too (with their attempt number), so every
+        start and stop, the operator's or the supervisor's, runs one at a time in order.
+        """
         assert self._queue is not None, "start_service() first"
         if command in self._pending:
             return self._pending[command]
@@ -262,17 +268,17 @@ class Supervisor:
                 status=409))
             return future
         self._pending[command] = future
-        self._queue.put_nowait((command, actor, future))
+        self._queue.put_nowait((command, actor, attempt, future))
         self._set(pending=command.value)
         return future
 
     async def _commands(self) -> None:
         assert self._queue is not None
         while True:
-            command, actor, future = await self._queue.get()
+            command, actor, attempt, future = await self._queue.get()
             try:
                 if command is Command.START:
-                    await self._start(actor)
+                    await self._start(actor, attempt=attempt)
                 elif command is Command.ROLLBACK:
                     await self._start(actor, spec=await self._last_good_spec())
                 elif command is Command.STOP:
@@ -542,13 +548,13 @@ class Supervisor:
                                                             live.run.attempt + 1))
 
     async def _retry_after(self, delay: float, attempt: int) -> None:
+        """Wait out the backoff, then queue the retry like any other start (a stop or an
+        operator's start meanwhile cancels this wait)."""
         await asyncio.sleep(delay)
         if self._status.state is not EngineState.BACKOFF:
             return
-        try:
-            await self._start("supervisor", attempt=attempt)
-        except ApplianceError as exc:
-            log.warning("engine retry %d did not start: %s", attempt, exc)
+        retry = self.submit(Command.START, "supervisor", attempt=attempt)
+        retry.add_done_callback(_log_retry_failure)
 
     # --- stop -----------------------------------------------------------------------------
 
@@ -707,6 +713,11 @@ class Supervisor:
         log.log(logging.ERROR if severity in ("error", "critical") else logging.INFO, message)
         await self.db.run(lambda s: add_event(s, at=at, severity=severity, source="engine",
                                               message=message))
+
+
+def _log_retry_failure(future: asyncio.Future[EngineStatus]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("engine retry did not start: %s", future.exception())
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:
