@@ -35,9 +35,10 @@ from typing import Any
 import psutil
 import pytest
 
+from appliance.atomic import write_atomic
 from appliance.config import EngineConfig
 from appliance.engine.args import LaunchInputs, LaunchSpec, build_launch_spec
-from appliance.engine.runner import EngineIdentity, write_atomic
+from appliance.engine.runner import EngineIdentity
 from appliance.engine.systemd_runner import UNIT, SystemdRunner
 from appliance.errors import ApplianceError
 from tests.conftest import free_port, run_cli
@@ -504,7 +505,7 @@ def test_find_never_claims_a_spec_the_unit_does_not_run(host: Host) -> None:
     assert sum(c == ["start", UNIT] for c in host.calls()) == 1
 
     # The spec file rewritten under the running unit: the recorded invocation's spec wins.
-    write_atomic(host.spec_path, second.to_json())
+    write_atomic(host.spec_path, second.to_json().encode())
     adopted = host.runner().find()
     assert adopted is not None and adopted.spec_hash == first.spec_hash
 
@@ -513,14 +514,14 @@ def test_find_never_claims_a_spec_the_unit_does_not_run(host: Host) -> None:
     (host.state_dir / "engine" / "engine-unit.json").unlink()
     os.utime(host.spec_path, (ident.started_at + 10, ident.started_at + 10))
     assert host.runner().find() is None
-    write_atomic(host.spec_path, first.to_json())
+    write_atomic(host.spec_path, first.to_json().encode())
     os.utime(host.spec_path, (ident.started_at - 10, ident.started_at - 10))
     assert host.runner().find() == ident
     host.spec_path.write_text("{ corrupt")
     assert host.runner().find() is None
 
     runner.kill(ident)
-    write_atomic(host.spec_path, first.to_json())
+    write_atomic(host.spec_path, first.to_json().encode())
     assert host.runner().find() is None  # the unit is inactive
 
 
@@ -564,7 +565,7 @@ def test_exec_spec_execs_the_argv_and_refuses_a_corrupt_spec(host: Host) -> None
         dcp_size=2, mem_fraction_static=0.9, mamba_full_memory_ratio=2.5,
         kv_cache_dtype="fp8_e4m3", speculative=True))
     spec_file = host.root / "spec.json"
-    write_atomic(spec_file, spec.to_json())
+    write_atomic(spec_file, spec.to_json().encode())
     cli = ("--config", str(host.config_path), "engine", "exec-spec", "--spec", str(spec_file))
 
     done = run_cli(*cli, env={"NOTIFY_SOCKET": "/run/systemd/notify"})

@@ -20,6 +20,7 @@ from typing import IO, Protocol
 
 import psutil
 
+from appliance.atomic import write_atomic
 from appliance.engine.args import LaunchSpec
 from appliance.sdnotify import child_environment
 
@@ -93,23 +94,6 @@ def tree_pids(pid: int) -> list[int]:
         return []
 
 
-def write_atomic(path: Path, text: str, mode: int = 0o640) -> None:
-    """Temp file, fsync, rename, fsync the directory: old or new, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 class ProcessRunner:
     """A detached engine process: own session and process group, output to a log file.
 
@@ -140,7 +124,7 @@ class ProcessRunner:
         except psutil.Error:
             started = 0.0  # it died at once; exit_status() will say how
         ident = EngineIdentity(self.name, proc.pid, started, spec.spec_hash, str(log_path))
-        write_atomic(self.pidfile, ident.to_json())
+        write_atomic(self.pidfile, ident.to_json().encode())
         return ident
 
     def find(self) -> EngineIdentity | None:

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import psutil
 
+from appliance.atomic import write_atomic
 from appliance.engine.args import LaunchSpec
-from appliance.engine.runner import EngineIdentity, same_process, write_atomic
+from appliance.engine.runner import EngineIdentity, same_process
 from appliance.errors import ApplianceError
 
 UNIT = "appliance-engine.service"
@@ -146,7 +147,7 @@ class SystemdRunner:
                 f"stop it first (`appliance engine stop`, or `systemctl stop {UNIT}` if the "
                 "daemon does not know it)", status=409,
             )
-        write_atomic(self.spec_path, spec.to_json())
+        write_atomic(self.spec_path, spec.to_json().encode())
         self._run("start", UNIT, timeout=START_TIMEOUT)
         props = self.show()
         invocation = props.get("InvocationID", "")
@@ -160,7 +161,7 @@ class SystemdRunner:
         pid, started = main if main is not None else (_int(props.get("ExecMainPID")), 0.0)
         ident = EngineIdentity(self.name, pid, started, spec.spec_hash, str(self.log_path),
                                invocation)
-        write_atomic(self.record_path, ident.to_json())
+        write_atomic(self.record_path, ident.to_json().encode())
         return ident
 
     def find(self) -> EngineIdentity | None:
