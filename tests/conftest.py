@@ -14,8 +14,9 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -183,6 +184,17 @@ def logged_in(runtime: Runtime, console: Console) -> Console:
     response = console.login()
     assert response.status_code == 303, response.text
     return console
+
+
+def wait_for(check: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
+    """Poll `check` until it returns something truthy (returned), failing after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    pytest.fail(f"gave up waiting for {what}")
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, input: str | None = None,

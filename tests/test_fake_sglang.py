@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from appliance.testing.fake_sglang.memory import (
     CapacityError,
     plan,
 )
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for
 
 SHARDS = 3
 SHARD_BYTES = 3 << 20
@@ -70,15 +70,6 @@ SAMPLE_FLAGS = [
     "--served-model-name", "kimi-k3",
 ]
 
-
-def wait_for(check: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    pytest.fail(f"gave up waiting for {what}")
 
 
 class Emulator:

@@ -28,7 +28,7 @@ import signal
 import stat
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from appliance.engine.args import LaunchInputs, LaunchSpec, build_launch_spec
 from appliance.engine.runner import EngineIdentity
 from appliance.engine.systemd_runner import UNIT, SystemdRunner
 from appliance.errors import ApplianceError
-from tests.conftest import free_port, run_cli
+from tests.conftest import free_port, run_cli, wait_for
 
 DEADLINE = 30.0  # seconds any single wait may take on a loaded 2-core machine
 EMULATOR = (sys.executable, "-m", "appliance.testing.fake_sglang")
@@ -264,15 +264,6 @@ Path(__file__).with_name("probe.json").write_text(json.dumps({
 sys.exit(7)
 """
 
-
-def wait_for(check: Callable[[], Any], what: str, timeout: float = DEADLINE) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    pytest.fail(f"gave up waiting for {what}")
 
 
 def gone(pid: int) -> bool:

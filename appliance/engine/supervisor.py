@@ -367,12 +367,14 @@ class Supervisor:
 
     def _follow(self, live: _Live) -> None:
         self._live = live
-        self._set(run_id=live.run.id, weights_bytes=weights_bytes(self.model_dir), log=live.parsed)
+        self._set(run_id=live.run.id, log=live.parsed)
         self._watcher = asyncio.create_task(self._watch(live))
 
     # --- watching -------------------------------------------------------------------------
 
     async def _watch(self, live: _Live) -> None:
+        # The byte target of the load: a directory listing, so off the event loop.
+        self._set(weights_bytes=await asyncio.to_thread(weights_bytes, self.model_dir))
         last_ready_probe = -1e9
         polls = 0
         gpu_used = 0
