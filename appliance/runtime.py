@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
@@ -115,3 +116,9 @@ def build_runtime(
         started_at=clock.now(),
         started_monotonic=clock.monotonic(),
     )
+
+
+def runtime_of(connection: Any) -> Runtime:
+    """The runtime `create_app` stored on the app, from any Litestar request or connection."""
+    runtime: Runtime = connection.app.state.runtime
+    return runtime

@@ -31,14 +31,10 @@ from appliance.engine.schedule import (
 from appliance.engine.states import LIVE, Command
 from appliance.engine.views import run_dict, spec_rows, status_dict
 from appliance.errors import ApplianceError
-from appliance.runtime import Runtime
+from appliance.runtime import Runtime, runtime_of
 
 AdminRequest = Request[Admin, AuthInfo, Any]
 
-
-def _runtime(request: Request[Any, Any, Any]) -> Runtime:
-    runtime: Runtime = request.app.state.runtime
-    return runtime
 
 
 @dataclass(frozen=True)
@@ -82,12 +78,12 @@ async def run_action(runtime: Runtime, command: Command, confirm: bool, actor: s
 
 @get("/", summary="Engine state, progress, memory table and launch figures")
 async def engine_status(request: AdminRequest) -> dict[str, Any]:
-    return status_dict(_runtime(request).supervisor.status)
+    return status_dict(runtime_of(request).supervisor.status)
 
 
 @get("/spec", summary="The launch argv with the origin of every flag")
 async def engine_spec(request: AdminRequest) -> dict[str, Any]:
-    spec = _runtime(request).supervisor.current_spec()
+    spec = runtime_of(request).supervisor.current_spec()
     return {"argv": spec.argv(), "spec_hash": spec.spec_hash, "flags": spec_rows(spec),
             "env": [list(e) for e in spec.env]}
 
@@ -96,7 +92,7 @@ async def engine_spec(request: AdminRequest) -> dict[str, Any]:
 async def engine_runs(
     request: AdminRequest, limit: Annotated[int, QueryParameter(ge=1, le=200)] = 20
 ) -> list[dict[str, Any]]:
-    runs = await _runtime(request).db.run(lambda s: list_runs(s, limit))
+    runs = await runtime_of(request).db.run(lambda s: list_runs(s, limit))
     return [run_dict(r) for r in runs]
 
 
@@ -110,7 +106,7 @@ async def engine_action(
         raise ApplianceError("engine_action_unknown", f"unknown engine action {action!r}",
                              "use start, stop, restart or rollback", status=404) from None
     body = data or ActionBody()
-    return await run_action(_runtime(request), command, body.confirm, request.user.username,
+    return await run_action(runtime_of(request), command, body.confirm, request.user.username,
                             client_address(request), f"api:{request.auth.kind}", body.at)
 
 
@@ -122,13 +118,13 @@ def scheduled_dict(action: Scheduled) -> dict[str, Any]:
 
 @get("/scheduled", summary="Engine actions scheduled for maintenance windows")
 async def engine_scheduled(request: AdminRequest) -> list[dict[str, Any]]:
-    actions = await _runtime(request).db.run(list_scheduled)
+    actions = await runtime_of(request).db.run(list_scheduled)
     return [scheduled_dict(a) for a in actions]
 
 
 @delete("/scheduled/{action_id:int}", status_code=200, summary="Cancel a scheduled action")
 async def engine_schedule_cancel(request: AdminRequest, action_id: FromPath[int]) -> dict[str, Any]:
-    cancelled = await cancel_action(_runtime(request), action_id, actor=request.user.username,
+    cancelled = await cancel_action(runtime_of(request), action_id, actor=request.user.username,
                                     address=client_address(request))
     return scheduled_dict(cancelled)
 
@@ -140,7 +136,7 @@ async def engine_log(
     rank: Annotated[int | None, QueryParameter(ge=0)] = None,
     level: Annotated[Literal["", "info", "warning", "error"], QueryParameter()] = "",
 ) -> dict[str, Any]:
-    runtime = _runtime(request)
+    runtime = runtime_of(request)
     return {"lines": await tail(runtime.supervisor.log_path, lines, rank=rank, level=level)}
 
 
@@ -150,7 +146,7 @@ async def engine_log_stream(
     rank: Annotated[int | None, QueryParameter(ge=0)] = None,
     level: Annotated[Literal["", "info", "warning", "error"], QueryParameter()] = "",
 ) -> ServerSentEvent:
-    path = _runtime(request).supervisor.log_path
+    path = runtime_of(request).supervisor.log_path
 
     async def lines() -> AsyncIterator[str]:
         async for line in follow(path, rank=rank, level=level):

@@ -18,17 +18,13 @@ from appliance.auth.tokens import TokenInfo, list_tokens
 from appliance.config import describe
 from appliance.db.journal import SEVERITIES, AuditRecord, EventRecord, list_audit, list_events
 from appliance.errors import ApplianceError
-from appliance.runtime import Runtime
+from appliance.runtime import runtime_of
 from appliance.status import DaemonStatus, daemon_status
 
 AdminRequest = Request[Admin, AuthInfo, Any]
 PageQuery = Annotated[int, QueryParameter(ge=1)]
 PerPageQuery = Annotated[int, QueryParameter(ge=1, le=500)]
 
-
-def _runtime(request: Request[Any, Any, Any]) -> Runtime:
-    runtime: Runtime = request.app.state.runtime
-    return runtime
 
 
 @dataclass(frozen=True)
@@ -77,7 +73,7 @@ class TokenCreated:
 
 @get("/status", summary="The daemon's own status")
 async def get_status(request: AdminRequest) -> DaemonStatus:
-    return await daemon_status(_runtime(request))
+    return await daemon_status(runtime_of(request))
 
 
 @get("/me", summary="Who is calling")
@@ -94,7 +90,7 @@ async def get_audit(
     page: PageQuery = 1,
     per_page: PerPageQuery = 50,
 ) -> AuditPage:
-    result = await _runtime(request).db.run(
+    result = await runtime_of(request).db.run(
         lambda s: list_audit(
             s, actor=actor, action=action, outcome=outcome, page=page, per_page=per_page
         )
@@ -117,7 +113,7 @@ async def get_events(
             "use one of " + ", ".join(SEVERITIES),
             status=400,
         )
-    result = await _runtime(request).db.run(
+    result = await runtime_of(request).db.run(
         lambda s: list_events(s, severity=severity, source=source, page=page, per_page=per_page)
     )
     return EventPage(result.items, result.page, result.per_page, result.total, result.pages)
@@ -125,22 +121,22 @@ async def get_events(
 
 @get("/settings", summary="The configuration in force (no secrets)")
 async def get_settings(request: AdminRequest) -> list[Setting]:
-    return [Setting(*row) for row in describe(_runtime(request).config)]
+    return [Setting(*row) for row in describe(runtime_of(request).config)]
 
 
 @get("/admins", summary="Admin accounts (never their password hashes)")
 async def get_admins(request: AdminRequest) -> list[Admin]:
-    return await _runtime(request).db.run(list_admins)
+    return await runtime_of(request).db.run(list_admins)
 
 
 @get("/tokens", summary="Admin API tokens (never the secret part)")
 async def get_tokens(request: AdminRequest) -> list[TokenInfo]:
-    return await _runtime(request).db.run(list_tokens)
+    return await runtime_of(request).db.run(list_tokens)
 
 
 @post("/tokens", summary="Create an admin API token; the token is returned only here")
 async def post_token(request: AdminRequest, data: JSONBody[TokenCreate]) -> TokenCreated:
-    runtime = _runtime(request)
+    runtime = runtime_of(request)
     expires = data.expires_at
     if expires is not None and expires.tzinfo is None:
         expires = expires.replace(tzinfo=dt.UTC)
@@ -154,7 +150,7 @@ async def post_token(request: AdminRequest, data: JSONBody[TokenCreate]) -> Toke
 @delete("/tokens/{prefix:str}", status_code=200, summary="Revoke an admin API token")
 async def delete_token(request: AdminRequest, prefix: FromPath[str]) -> TokenInfo:
     return await withdraw_token(
-        _runtime(request), request.user, prefix=prefix, address=client_address(request),
+        runtime_of(request), request.user, prefix=prefix, address=client_address(request),
         via=f"api:{request.auth.kind}",
     )
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from litestar.connection import ASGIConnection
@@ -19,9 +18,7 @@ from litestar.middleware import AbstractAuthenticationMiddleware, Authentication
 
 from appliance.auth.sessions import COOKIE_NAME, resolve_session
 from appliance.auth.tokens import resolve_token
-
-if TYPE_CHECKING:
-    from appliance.runtime import Runtime
+from appliance.runtime import runtime_of
 
 CSRF_COOKIE = "appliance_csrf"
 CSRF_HEADER = "x-csrf-token"
@@ -51,7 +48,7 @@ class AdminAuthMiddleware(AbstractAuthenticationMiddleware):
     async def authenticate_request(
         self, connection: ASGIConnection  # type: ignore[type-arg]
     ) -> AuthenticationResult:
-        runtime: Runtime = connection.app.state.runtime
+        runtime = runtime_of(connection)
         method = connection.scope.get("method", "GET")
         if method not in SAFE_METHODS and not _origin_matches(connection):
             raise PermissionDeniedException("cross-origin request refused")

@@ -18,7 +18,8 @@ from appliance.engine.schedule import cancel_action, list_scheduled
 from appliance.engine.states import Command
 from appliance.engine.views import spec_rows
 from appliance.errors import ApplianceError
-from appliance.ui.login import AdminRequest, runtime_of
+from appliance.runtime import runtime_of
+from appliance.ui.login import AdminRequest
 from appliance.ui.pages import GUARDED
 
 RUNS_SHOWN = 15

@@ -22,7 +22,7 @@ from appliance.auth.bootstrap import retire_bootstrap_file
 from appliance.auth.middleware import AuthInfo, client_address
 from appliance.auth.sessions import COOKIE_NAME, close_session, open_session
 from appliance.errors import ApplianceError
-from appliance.runtime import Runtime
+from appliance.runtime import Runtime, runtime_of
 
 AdminRequest = Request[Admin, AuthInfo, Any]
 
@@ -40,10 +40,6 @@ class PasswordForm:
     new_password: str = ""
     confirm_password: str = ""
 
-
-def runtime_of(request: Request[Any, Any, Any]) -> Runtime:
-    runtime: Runtime = request.app.state.runtime
-    return runtime
 
 
 def _safe_next(target: str) -> str:

@@ -22,10 +22,10 @@ from appliance.auth.tokens import list_tokens
 from appliance.config import describe
 from appliance.db.journal import SEVERITIES, list_audit, list_events
 from appliance.errors import ApplianceError
+from appliance.runtime import runtime_of
 from appliance.status import daemon_status
 from appliance.ui.login import (
     AdminRequest,
-    runtime_of,
 )
 
 PER_PAGE = 50
