@@ -212,6 +212,45 @@ class EngineConfig:
     kill_after_seconds: int = _key(60, _positive, "SIGTERM to SIGKILL of the process group")
 
 
+def _endpoint(value: str) -> str | None:
+    ok = re.fullmatch(r"https?://[A-Za-z0-9.\-\[\]:]+(/[\w.~\-/]*)?", value)
+    return None if ok else "an http(s) URL of a Hub-compatible endpoint, e.g. https://huggingface.co"
+
+
+def _optional_repo_id(value: str) -> str | None:
+    return None if value == "" else _repo_id(value)
+
+
+def _secret(value: str) -> str:
+    return "(set)" if value else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsConfig:
+    """Where the model's weights come from and how they are downloaded and verified."""
+
+    repo: str = _key("", _optional_repo_id, "Hub repo id to pull; empty: engine.model")
+    revision: str = _key("main", doc="branch, tag or commit; resolved to a commit once")
+    endpoint: str = _key("https://huggingface.co", _endpoint,
+                         "the Hub or any Hub-compatible mirror")
+    token: str = _key("", doc="Hub token (or HF_TOKEN / token_file); never shown",
+                      show=_secret)
+    token_file: Path | None = _key(None, _absolute, "file holding the Hub token")
+    concurrency: int = _key(8, _positive, "files downloaded at once")
+    bandwidth_limit_mib_s: int = _key(0, _nonnegative, "download cap in MiB/s; 0: no cap")
+    stall_seconds: int = _key(60, _positive,
+                              "a connection that delivered no bytes this long is retried")
+    min_rate_kib_s: int = _key(64, _nonnegative,
+                               "a connection slower than this over min_rate_window_seconds "
+                               "is retried; 0: off")
+    min_rate_window_seconds: int = _key(120, _positive, "window of the min_rate_kib_s check")
+    retry_max_seconds: int = _key(60, _positive, "longest wait between retries (backoff cap)")
+    reserve_gib: int = _key(50, _nonnegative, "free space kept on the models volume")
+    hash_workers: int = _key(4, _positive, "files hashed at once by a full verification")
+    prewarm: bool = _key(True, doc="read the shards into the page cache before a launch "
+                                   "when host RAM comfortably exceeds the model")
+
+
 @dataclasses.dataclass(frozen=True)
 class GpuConfig:
     """The box this appliance expects: any deviation is a finding."""
@@ -231,6 +270,7 @@ class Config:
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     gpu: GpuConfig = dataclasses.field(default_factory=GpuConfig)
+    weights: WeightsConfig = dataclasses.field(default_factory=WeightsConfig)
     source: str = "built-in defaults"
     dev: bool = False
 
@@ -242,6 +282,11 @@ class Config:
     def tls(self) -> bool:
         return self.server.tls_cert is not None
 
+    @property
+    def weights_repo(self) -> str:
+        """The repo `weights pull` fetches: weights.repo, else the engine's model."""
+        return self.weights.repo or self.engine.model
+
 
 SECTIONS: dict[str, type[Any]] = {
     "server": ServerConfig,
@@ -251,6 +296,7 @@ SECTIONS: dict[str, type[Any]] = {
     "logging": LoggingConfig,
     "engine": EngineConfig,
     "gpu": GpuConfig,
+    "weights": WeightsConfig,
 }
 
 
@@ -303,6 +349,8 @@ def load_config(
             raise ConfigError(source, section, type(body).__name__, f"a [{section}] table")
         for key, value in body.items():
             values[section][key] = _convert(source, section, key, value, from_env=False)
+    if env.get("HF_TOKEN"):  # the Hub's own convention; config and APPLIANCE_* win
+        values["weights"]["token"] = env["HF_TOKEN"]
     for var, value in env.items():
         if not var.startswith(ENV_PREFIX):
             continue
