@@ -30,6 +30,7 @@ from litestar.template import TemplateConfig
 from appliance import __version__
 from appliance.api.engine import engine_router
 from appliance.api.routes import api_router
+from appliance.api.weights import weights_router
 from appliance.auth.middleware import CSRF_COOKIE, PUBLIC_PATHS, AdminAuthMiddleware
 from appliance.engine.schedule import restore_scheduled
 from appliance.errors import ApplianceError
@@ -141,6 +142,7 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
             *ui_handlers(),
             api_router(),
             engine_router(),
+            weights_router(),
             create_static_files_router(path="/static", directories=[static_dir()],
                                        include_in_schema=False),
         ],
@@ -178,11 +180,13 @@ async def _start(runtime: Runtime) -> None:
     if not runtime.scheduler.running:
         runtime.scheduler.start()
     await runtime.supervisor.start_service()
+    await runtime.weights.start_service()
     await restore_scheduled(runtime)
 
 
 async def _stop(runtime: Runtime) -> None:
     # The engine keeps running: only the daemon's watching stops (it is adopted next start).
+    await runtime.weights.stop_service()
     await runtime.supervisor.stop_service()
     if runtime.scheduler.running:
         runtime.scheduler.shutdown(wait=False)

@@ -247,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     from appliance.engine import cli as engine_cli
 
     engine_cli.add_parser(sub, common)
+    from appliance.weights import cli as weights_cli
+
+    weights_cli.add_parser(sub, common)
     return parser
 
 
@@ -256,9 +259,15 @@ def cmd_engine(args: argparse.Namespace, config: Config) -> int:
     return engine_cli.run(args, config)
 
 
+def cmd_weights(args: argparse.Namespace, config: Config) -> int:
+    from appliance.weights import cli as weights_cli
+
+    return weights_cli.run(args, config)
+
+
 HANDLERS: dict[str, Handler] = {
     "serve": cmd_serve, "migrate": cmd_migrate, "admin": cmd_admin, "token": cmd_token,
-    "engine": cmd_engine,
+    "engine": cmd_engine, "weights": cmd_weights,
 }
 
 

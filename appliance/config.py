@@ -221,6 +221,11 @@ def _optional_repo_id(value: str) -> str | None:
     return None if value == "" else _repo_id(value)
 
 
+# The same checks for values given outside the file (API and CLI overrides of one pull).
+check_repo_id = _optional_repo_id
+check_endpoint = _endpoint
+
+
 def _secret(value: str) -> str:
     return "(set)" if value else ""
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
 from appliance import __version__
@@ -28,6 +29,7 @@ from appliance.gpu.nvml import NvmlGpus
 from appliance.gpu.port import GpuPort
 from appliance.resources import migrations_dir
 from appliance.secrets import server_secret
+from appliance.weights.service import WeightsService
 
 
 @dataclass
@@ -41,6 +43,7 @@ class Runtime:
     migrations: Path
     gpus: GpuPort
     supervisor: Supervisor
+    weights: WeightsService
     version: str = __version__
     started_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
     started_monotonic: float = 0.0
@@ -90,15 +93,18 @@ def build_runtime(
     runner: EngineRunner | None = None,
     engine_poll_seconds: float = 1.0,
     engine_backoff_seconds: float = 30.0,
+    weights_transport: httpx.AsyncBaseTransport | None = None,
 ) -> Runtime:
     clock = clock or SystemClock()
     db = db or Database(config.database_url)
     gpus = gpus or NvmlGpus()
+    weights = WeightsService(config, db, clock, transport=weights_transport)
     supervisor = Supervisor(
         config=config, db=db, clock=clock, runner=runner or engine_runner(config), gpus=gpus,
-        client=EngineClient(f"http://127.0.0.1:{config.engine.port}"),
+        client=EngineClient(f"http://127.0.0.1:{config.engine.port}"), weights=weights,
         poll_interval=engine_poll_seconds, backoff_base=engine_backoff_seconds,
     )
+    weights.on_ready = lambda: start_when_waiting(supervisor)
     return Runtime(
         config=config,
         clock=clock,
@@ -113,9 +119,23 @@ def build_runtime(
         migrations=migrations or migrations_dir(),
         gpus=gpus,
         supervisor=supervisor,
+        weights=weights,
         started_at=clock.now(),
         started_monotonic=clock.monotonic(),
     )
+
+
+async def start_when_waiting(supervisor: Supervisor) -> None:
+    """Weights just became ready: if the operator wants the engine running and only the
+    weights stopped it (preflight), start it now — a fresh box serves as soon as its
+    download is proven, with no one at the console."""
+    from appliance.engine.records import get_desired
+    from appliance.engine.states import Command, EngineState
+
+    status = supervisor.status
+    desired = await supervisor.db.run(get_desired)
+    if desired.running and status.state is EngineState.STOPPED and status.reason == "preflight":
+        supervisor.submit(Command.START, "weights ready")
 
 
 def runtime_of(connection: Any) -> Runtime:

@@ -11,6 +11,7 @@ import datetime as dt
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     Boolean,
     DateTime,
     Float,
@@ -20,6 +21,7 @@ from sqlalchemy import (
     String,
     Text,
     TypeDecorator,
+    UniqueConstraint,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -180,3 +182,60 @@ class ScheduledAction(Base):
     status: Mapped[str] = mapped_column(String(16), nullable=False)  # pending|done|failed|...
     outcome: Mapped[str] = mapped_column(Text, nullable=False, default="")
     finished_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class WeightsSet(Base):
+    """A manifest: one repo pinned to one commit. Immutable once written; a new revision is
+    a new set."""
+
+    __tablename__ = "weights_sets"
+    __table_args__ = (UniqueConstraint("repo_id", "commit_id", name="uq_weights_sets_commit"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    repo_id: Mapped[str] = mapped_column(String(200), nullable=False)
+    revision: Mapped[str] = mapped_column(String(255), nullable=False)
+    commit_id: Mapped[str] = mapped_column(String(128), nullable=False)
+    source: Mapped[str] = mapped_column(String(1024), nullable=False)
+    manifest_digest: Mapped[str] = mapped_column(String(64), nullable=False)
+    total_bytes: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
+    full_verified_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class WeightsFile(Base):
+    """One file of a set: what the manifest expects and what is known about the copy on disk.
+    `verified_size`/`verified_mtime_ns` let a full verification skip a file that has not
+    changed since it was hashed."""
+
+    __tablename__ = "weights_files"
+    __table_args__ = (UniqueConstraint("set_id", "path", name="uq_weights_files_path"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    set_id: Mapped[int] = mapped_column(
+        ForeignKey("weights_sets.id", ondelete="CASCADE"), nullable=False, index=True)
+    path: Mapped[str] = mapped_column(String(1024), nullable=False)
+    size: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    git_oid: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    state: Mapped[str] = mapped_column(String(16), nullable=False)
+    bytes_done: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    attempts: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    last_error: Mapped[str] = mapped_column(Text, nullable=False, default="")
+    verified_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    verified_size: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    verified_mtime_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
+class WeightsControl(Base):
+    """The operator's wish for the weights (one row): which set is active, and which job
+    (pull, verify, import) should be running, so a restarted daemon carries on by itself."""
+
+    __tablename__ = "weights_control"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    active_set_id: Mapped[int | None] = mapped_column(
+        ForeignKey("weights_sets.id", ondelete="SET NULL"), nullable=True)
+    job: Mapped[str] = mapped_column(String(16), nullable=False, default="")
+    job_args: Mapped[str] = mapped_column(Text, nullable=False, default="{}")
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
+    updated_by: Mapped[str] = mapped_column(String(128), nullable=False, default="")

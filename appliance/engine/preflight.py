@@ -81,10 +81,12 @@ class PreflightFacts:
     model_dir_exists: bool
     has_config_json: bool
     safetensors_count: int
-    weights_verified: bool | None  # None: no verification record yet
+    weights_verified: bool | None  # None: no manifest recorded, so nothing can be proven
     models_free_bytes: int | None
     shm_total_bytes: int | None
     shm_free_bytes: int | None
+    weights_detail: str = ""  # the weights service's sentence and next step
+    weights_hint: str = ""
 
 
 def model_dir(config: Config) -> Path:
@@ -256,18 +258,22 @@ def _weights_checks(facts: PreflightFacts) -> list[Check]:
                       f"{where} lacks " + " and ".join(missing), get)]
     checks = [Check("weights_present", True, "error",
                     f"{where}: config.json and {facts.safetensors_count} safetensors shard(s)")]
+    # A damaged shard would only show an hour into the load, so unproven weights block.
     if facts.weights_verified is None:
         checks.append(Check(
-            "weights_verified", False, "warning",
-            f"the weights in {where} have no verification record yet; a damaged shard would "
-            "only show late in the load",
-            "verify the weights (checksums of every shard) before relying on this launch"))
+            "weights_verified", False, "error",
+            facts.weights_detail or f"the weights in {where} have no manifest, so they "
+            "cannot be proven", facts.weights_hint or "pull the weights (`appliance weights "
+            "pull`) or import them with their manifest, then start again"))
     elif not facts.weights_verified:
         checks.append(Check(
-            "weights_verified", False, "error", f"the weights in {where} failed verification",
-            "download the damaged shards again, verify, then start again"))
+            "weights_verified", False, "error",
+            facts.weights_detail or f"the weights in {where} are not verified",
+            facts.weights_hint or "download the damaged shards again, verify, then start "
+            "again"))
     else:
-        checks.append(Check("weights_verified", True, "warning", "the weights are verified"))
+        checks.append(Check("weights_verified", True, "error",
+                            facts.weights_detail or "the weights are verified"))
     return checks
 
 
@@ -306,6 +312,8 @@ def gather_facts(
     *,
     own_pids: Collection[int] = (),
     weights_verified: bool | None = None,
+    weights_detail: str = "",
+    weights_hint: str = "",
     shm_path: Path = SHM,
     gpu_timeout_s: float = GPU_TIMEOUT_S,
 ) -> PreflightFacts:
@@ -328,6 +336,8 @@ def gather_facts(
         has_config_json=has_config,
         safetensors_count=shards,
         weights_verified=weights_verified,
+        weights_detail=weights_detail,
+        weights_hint=weights_hint,
         models_free_bytes=_usage(_nearest_existing(directory))[1],
         shm_total_bytes=shm_total,
         shm_free_bytes=shm_free,

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import psutil
 
@@ -58,6 +58,9 @@ from appliance.engine.states import (
 )
 from appliance.engine.validate import validate_launch_spec
 from appliance.errors import ApplianceError
+
+if TYPE_CHECKING:
+    from appliance.weights.views import Verdict
 from appliance.gpu.port import GpuPort, snapshot_with_timeout
 
 log = logging.getLogger(__name__)
@@ -164,6 +167,12 @@ def _read_new(path: Path, offset: int, limit: int = 4 << 20) -> tuple[bytes, int
     return data, offset + len(data)
 
 
+class WeightsGate(Protocol):
+    """The weights service's answer to "may these weights be launched?" (preflight)."""
+
+    async def launch_verdict(self) -> Verdict: ...
+
+
 class Supervisor:
     def __init__(
         self,
@@ -174,6 +183,7 @@ class Supervisor:
         runner: EngineRunner,
         gpus: GpuPort,
         client: EngineClient,
+        weights: WeightsGate,
         poll_interval: float = 1.0,
         ready_interval: float = 5.0,
         backoff_base: float = 30.0,
@@ -184,6 +194,7 @@ class Supervisor:
         self.runner = runner
         self.gpus = gpus
         self.client = client
+        self.weights = weights
         self.poll_interval = poll_interval
         self.ready_interval = ready_interval
         self.backoff_base = backoff_base
@@ -319,7 +330,10 @@ class Supervisor:
         self._transition(EngineState.PREFLIGHT, "checking the box before a launch",
                          attempt=attempt, reason=None, hint="", next_retry_at=None, hung=False,
                          percent=0.0, adopted=False)
-        facts = await asyncio.to_thread(gather_facts, self.config, self.gpus)
+        verdict = await self.weights.launch_verdict()
+        facts = await asyncio.to_thread(
+            gather_facts, self.config, self.gpus, weights_verified=verdict.verified,
+            weights_detail=verdict.message, weights_hint=verdict.hint)
         problems = blocking(evaluate(facts, self.config))
         if problems:
             summary = "; ".join(p.message for p in problems)

@@ -24,7 +24,9 @@ from appliance.errors import ApplianceError
 
 FORMAT = "appliance-weights-manifest/1"
 PART_SUFFIX = ".part"
-_SEGMENT = re.compile(r"[A-Za-z0-9_@+=,~-][A-Za-z0-9._@+=,~-]{0,254}|\.[A-Za-z0-9_@+=,~-][A-Za-z0-9._@+=,~-]{0,253}")
+# A path segment: a conservative character set, at most 255 bytes; a leading dot is allowed
+# (.gitattributes) but not a segment of dots only.
+_SEGMENT = re.compile(r"(?!\.+$)[A-Za-z0-9._@+=,~-]{1,255}")
 _HEX40 = re.compile(r"[0-9a-f]{40}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 MAX_PATH = 1024

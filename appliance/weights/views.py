@@ -1,0 +1,132 @@
+"""What the console, the API and the CLI show about the weights: frozen values, JSON-ready.
+
+Built by the service from the database (what is proven) and its live counters (rates, the
+job in flight), so a hung network call can never freeze the status.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class FileState(StrEnum):
+    QUEUED = "queued"
+    DOWNLOADING = "downloading"
+    STALLED = "stalled"
+    RETRYING = "retrying"
+    VERIFYING = "verifying"
+    VERIFIED = "verified"
+    FAILED = "failed"
+    MISSING = "missing"  # an import found no usable copy and has no source to fetch it from
+
+
+class Activity(StrEnum):
+    IDLE = "idle"
+    RESOLVING = "resolving"
+    DOWNLOADING = "downloading"
+    IMPORTING = "importing"
+    VERIFYING = "verifying"
+    PREWARMING = "prewarming"
+    PAUSED = "paused"   # waiting for something the operator must fix (disk space)
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The engine's question answered before a launch: may these weights be used?"""
+
+    verified: bool | None  # None: no manifest recorded for the engine's model
+    message: str
+    hint: str = ""
+
+
+@dataclass(frozen=True)
+class FileView:
+    path: str
+    size: int
+    bytes_done: int
+    state: str
+    rate_bps: float
+    eta_seconds: float | None
+    attempts: int
+    last_error: str
+    verified_at: dt.datetime | None
+
+    @property
+    def percent(self) -> float:
+        return 100.0 if self.size == 0 else min(100.0, 100.0 * self.bytes_done / self.size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size, "bytes_done": self.bytes_done,
+                "percent": round(self.percent, 2), "state": self.state,
+                "rate_bps": round(self.rate_bps), "eta_seconds": _round(self.eta_seconds),
+                "attempts": self.attempts, "last_error": self.last_error,
+                "verified_at": self.verified_at.isoformat() if self.verified_at else None}
+
+
+@dataclass(frozen=True)
+class WeightsView:
+    """The whole picture: the active set (if any), the job in flight, every file."""
+
+    repo_id: str | None
+    revision: str | None
+    commit: str | None
+    source: str | None
+    model_dir: str
+    activity: str
+    message: str
+    hint: str
+    total_bytes: int
+    done_bytes: int
+    rate_bps: float
+    eta_seconds: float | None
+    files: tuple[FileView, ...]
+    full_verified_at: dt.datetime | None
+    quick_checked_at: dt.datetime | None
+    quick_ok: bool | None
+    quick_problems: tuple[str, ...]
+    ready_for_engine: bool
+
+    @property
+    def percent(self) -> float:
+        return 0.0 if not self.total_bytes else min(
+            100.0, 100.0 * self.done_bytes / self.total_bytes)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        counted = {state.value: 0 for state in FileState}
+        for item in self.files:
+            counted[item.state] = counted.get(item.state, 0) + 1
+        return counted
+
+    @property
+    def busy(self) -> bool:
+        return self.activity not in (Activity.IDLE, Activity.FAILED)
+
+    def to_dict(self, *, files: bool = True) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "repo_id": self.repo_id, "revision": self.revision, "commit": self.commit,
+            "source": self.source, "model_dir": self.model_dir, "activity": self.activity,
+            "message": self.message, "hint": self.hint, "total_bytes": self.total_bytes,
+            "done_bytes": self.done_bytes, "percent": round(self.percent, 2),
+            "rate_bps": round(self.rate_bps), "eta_seconds": _round(self.eta_seconds),
+            "counts": self.counts,
+            "full_verified_at": _iso(self.full_verified_at),
+            "quick_checked_at": _iso(self.quick_checked_at), "quick_ok": self.quick_ok,
+            "quick_problems": list(self.quick_problems),
+            "ready_for_engine": self.ready_for_engine,
+        }
+        if files:
+            body["files"] = [f.to_dict() for f in self.files]
+        return body
+
+
+def _iso(value: dt.datetime | None) -> str | None:
+    return value.isoformat() if value else None
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
