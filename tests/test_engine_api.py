@@ -34,7 +34,7 @@ from appliance.resources import migrations_dir
 from appliance.runtime import Runtime, build_runtime
 from appliance.testing.fake_gpus import FakeGpus
 from tests.conftest import Console, LiveServer, add_admin
-from tests.test_engine_lifecycle import engine_config, group_gone
+from tests.test_engine_lifecycle import engine_config, group_gone, prove_weights
 
 DEADLINE = 90.0  # any single wait, on a loaded 2-core CI box
 ENGINE = "/api/v1/engine"
@@ -55,6 +55,7 @@ def engine_server(root: Path, monkeypatch: pytest.MonkeyPatch,
     config = engine_config(root / "box")
     db = Database(config.database_url)
     migrate(db, migrations_dir(), config.paths.state_dir / "backups", SystemClock().now())
+    prove_weights(config, db)
     runtime = build_runtime(config, db=db, gpus=FakeGpus(state_file=gpu_state),
                             engine_poll_seconds=0.1, engine_backoff_seconds=0.2)
     runtime.supervisor.ready_interval = 0.2

@@ -71,6 +71,13 @@ def emulators(port: int) -> list[int]:
 def box(tmp_path: Path) -> Path:
     config = box_config(tmp_path / "box")
     assert run_cli("--config", str(config), "migrate").returncode == 0
+    # The engine refuses unproven weights: import the folder in place with its manifest
+    # (no daemon runs yet, so the CLI runs the import itself).
+    models = config.parent / "models"
+    imported = run_cli("--config", str(config), "weights", "import",
+                       str(models / "moonshotai--Kimi-K3"), "--manifest",
+                       str(config.parent / "manifest-moonshotai--Kimi-K3.json"))
+    assert imported.returncode == 0, imported.stdout + imported.stderr
     created = run_cli("--config", str(config), "admin", "create", "--username", "ops",
                       "--password-stdin", input="a sturdy passphrase\n")
     assert created.returncode == 0, created.stderr

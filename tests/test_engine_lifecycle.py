@@ -12,8 +12,8 @@ import asyncio
 import contextlib
 import os
 import socket
-import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,29 +26,51 @@ from appliance.config import Config
 from appliance.db.database import Database
 from appliance.db.journal import list_events
 from appliance.db.schema import migrate
+from appliance.engine.args import model_dir
 from appliance.engine.records import list_runs
 from appliance.engine.states import START_ORDER, Command, EngineState
 from appliance.engine.supervisor import Supervisor
 from appliance.errors import ApplianceError
 from appliance.resources import migrations_dir
 from appliance.runtime import build_runtime
+from appliance.testing.checkpoint import write_checkpoint
 from appliance.testing.clock import FakeClock
 from appliance.testing.fake_gpus import FakeGpus
+from appliance.weights.importer import manifest_from_dir
+from appliance.weights.service import WeightsService
 from tests.conftest import free_port, make_config
 
 DEADLINE = 90.0  # seconds any single wait may take on a loaded 2-core machine
 
 
 def write_model(models_dir: Path, model: str = "moonshotai/Kimi-K3", shards: int = 4) -> Path:
-    """A tiny checkpoint: config.json and a few valid-looking safetensors files."""
+    """A tiny checkpoint (config.json, index, well-formed safetensors shards) and, beside the
+    models folder, its manifest (`<models_dir>/../manifest-<org>--<name>.json`)."""
     target = models_dir / model.replace("/", "--")
-    target.mkdir(parents=True, exist_ok=True)
-    (target / "config.json").write_text('{"model_type": "kimi_k3"}')
-    header = b'{"__metadata__":{"format":"pt"}}'
-    for i in range(shards):
-        body = struct.pack("<Q", len(header)) + header + os.urandom(256 * 1024)
-        (target / f"model-{i + 1:05d}-of-{shards:05d}.safetensors").write_bytes(body)
+    write_checkpoint(target, shards=shards, shard_bytes=256 * 1024)
+    manifest = manifest_from_dir(target, model)
+    (models_dir.parent / f"manifest-{model.replace('/', '--')}.json").write_text(
+        manifest.to_json())
     return target
+
+
+def prove_weights(config: Config, db: Database) -> None:
+    """Import the model folder in place with its manifest, through the real weights service:
+    the engine refuses weights that are not proven."""
+    directory = model_dir(config.paths.models_dir, config.engine.model)
+    manifest = config.paths.models_dir.parent / (
+        f"manifest-{config.engine.model.replace('/', '--')}.json")
+
+    async def run() -> None:
+        service = WeightsService(config, db, SystemClock())
+        await service.import_dir(directory, actor="test", manifest_file=manifest)
+        await service.wait_idle()
+        view = await service.status()
+        await service.stop_service()
+        assert view.ready_for_engine, view.message
+
+    with ThreadPoolExecutor(1) as pool:  # callers may already run an event loop
+        pool.submit(asyncio.run, run()).result()
 
 
 def engine_config(root: Path, **env: str) -> Config:
@@ -124,6 +146,7 @@ def migrated_box(root: Path, **env: str) -> tuple[Config, Database]:
     config = engine_config(root, **env)
     database = Database(config.database_url)
     migrate(database, migrations_dir(), config.paths.state_dir / "backups", SystemClock().now())
+    prove_weights(config, database)
     return config, database
 
 

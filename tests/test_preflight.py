@@ -132,10 +132,14 @@ CASES = [
      "lacks config.json", "download the weights"),
     ("no shards", good_facts(safetensors_count=0), "weights_present", "error",
      "lacks any *.safetensors shard", "download the weights"),
-    ("never verified", good_facts(weights_verified=None), "weights_verified", "warning",
-     "no verification record yet", "verify"),
-    ("verification failed", good_facts(weights_verified=False), "weights_verified", "error",
-     "failed verification", "download the damaged shards"),
+    ("no manifest", good_facts(weights_verified=None), "weights_verified", "error",
+     "have no manifest", "appliance weights pull"),
+    ("not verified", good_facts(weights_verified=False), "weights_verified", "error",
+     "are not verified", "download the damaged shards"),
+    ("service says why", good_facts(weights_verified=False, weights_detail="3 of 9 files of "
+                                    "x are not verified yet", weights_hint="let the pull "
+                                    "finish"), "weights_verified", "error",
+     "3 of 9 files", "let the pull finish"),
     ("small shm", good_facts(shm_total_bytes=GIB // 16, shm_free_bytes=GIB // 16), "shm",
      "warning", "0.1 GiB free", "remount"),
     ("unreadable shm", good_facts(shm_total_bytes=None, shm_free_bytes=None), "shm", "warning",

@@ -22,6 +22,7 @@ event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import random
@@ -47,7 +48,6 @@ from appliance.weights.sources import (
 )
 
 T = TypeVar("T")
-READ_CHUNK = 1 << 20
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
@@ -240,31 +240,35 @@ class Transfer:
         handle = await self._io(_open_at, part, offset)
         received = offset
         buffer = bytearray()
-        started = loop.time()
+        started = last_flush = loop.time()
         window: deque[tuple[float, int]] = deque([(started, offset)])
         try:
-            async for chunk in response.aiter_raw(READ_CHUNK):
+            async for chunk in response.aiter_raw():  # as they come: a chunk size would
+                # make httpx hold bytes back, and a stall would lose them
                 await self.limiter.take(len(chunk))
                 buffer += chunk
-                if len(buffer) >= self.policy.flush_bytes:
+                now = loop.time()
+                # Flush by size (few thread hops at speed) and by time (a slow stream's bytes
+                # reach the disk, and the progress moves, at least every second).
+                if len(buffer) >= self.policy.flush_bytes or now - last_flush >= 1.0:
                     received += await self._flush(handle, digest, buffer, part)
                     self.listener.on_bytes(self.file.path, received)
+                    last_flush = now
                 if received + len(buffer) > self.file.size:
                     raise _Retry(f"the server sent more than the manifest's {self.file.size} "
-                                 "bytes", progressed=False)
-                self._watch_rate(loop.time(), received + len(buffer), window, offset)
+                                 "bytes")
+                self._watch_rate(now, received + len(buffer), window, offset)
             if buffer:
                 received += await self._flush(handle, digest, buffer, part)
                 self.listener.on_bytes(self.file.path, received)
-        except _Retry as retry:
-            if buffer:  # keep what arrived: it is a valid continuation of the prefix
-                received += await self._flush(handle, digest, buffer, part)
-            retry.progressed = received > offset
-            raise
-        except (httpx.TransportError, httpx.TimeoutException):
-            if buffer:
-                received += await self._flush(handle, digest, buffer, part)
-                self.listener.on_bytes(self.file.path, received)
+        except BaseException as exc:
+            # Whatever ends the stream (a watchdog, a dropped connection, a cancel), what
+            # arrived is a valid continuation of the prefix: keep it for the resume.
+            if buffer and not isinstance(exc, DiskFull):
+                with contextlib.suppress(Exception):
+                    received += await self._flush(handle, digest, buffer, part)
+            if isinstance(exc, _Retry):
+                exc.progressed = received > offset
             raise
         finally:
             await self._io(handle.close)
