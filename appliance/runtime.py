@@ -135,7 +135,8 @@ async def start_when_waiting(supervisor: Supervisor) -> None:
     status = supervisor.status
     desired = await supervisor.db.run(get_desired)
     if desired.running and status.state is EngineState.STOPPED and status.reason == "preflight":
-        supervisor.submit(Command.START, "weights ready")
+        started = supervisor.submit(Command.START, "weights ready")
+        started.add_done_callback(lambda f: None if f.cancelled() else f.exception())
 
 
 def runtime_of(connection: Any) -> Runtime:

@@ -663,7 +663,8 @@ class Supervisor:
                 await self._after_crash(live, reason, hint)
             return
         if desired_running:
-            self.submit(Command.START, "supervisor")
+            # Its outcome (a preflight refusal, say) is an event and the status already.
+            self.submit(Command.START, "supervisor").add_done_callback(_retrieve)
 
     def _parse_whole(self, path: Path, start: int) -> logparse.LogState:
         try:
@@ -729,6 +730,12 @@ class Supervisor:
         log.log(logging.ERROR if severity in ("error", "critical") else logging.INFO, message)
         await self.db.run(lambda s: add_event(s, at=at, severity=severity, source="engine",
                                               message=message))
+
+
+def _retrieve(future: asyncio.Future[EngineStatus]) -> None:
+    """Mark a start's outcome as seen: its failure is already an event and the status."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _log_retry_failure(future: asyncio.Future[EngineStatus]) -> None:

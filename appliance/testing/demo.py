@@ -2,18 +2,22 @@
 
 A demo instrument, not production: it initialises `./.appliance/` (the `--dev` profile),
 migrates the database, creates the bootstrap admin if there is none, prints how to log in
-(including the one-time password, which production never prints), then runs `appliance serve`
-in the foreground until Ctrl-C. Later issues add the engine emulator, weights and gateway
-here, so `make demo` always shows everything that exists.
+(including the one-time password, which production never prints), starts a fake Hugging Face
+Hub (a child process serving a generated checkpoint) for the weights to be pulled from, then
+runs `appliance serve` in the foreground until Ctrl-C. On the first run it asks for the
+weights and for the engine, so the daemon pulls and proves the weights and then starts the
+engine emulator by itself, as a fresh box does. Later issues add the gateway here, so
+`make demo` always shows everything that exists.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
-import json
 import os
-import struct
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from sqlalchemy.orm import Session
@@ -21,29 +25,63 @@ from sqlalchemy.orm import Session
 from appliance.auth.bootstrap import bootstrap_file, ensure_first_admin
 from appliance.cli import main as cli_main
 from appliance.cli import serve
-from appliance.config import load_config
+from appliance.config import DEV_ROOT, load_config
 from appliance.db.database import Database
 from appliance.engine.records import get_desired, list_runs, set_desired
 from appliance.errors import ApplianceError
+from appliance.testing.checkpoint import write_checkpoint
 from appliance.testing.fake_gpus import FakeGpus
+from appliance.weights import records as weights_records
 
-DEMO_SHARDS = 12
+DEMO_MODEL = "moonshotai/Kimi-K3"
+HUB_ENV = "APPLIANCE_WEIGHTS_ENDPOINT"
+
+DEMO_REPO_SHARDS = 12
 DEMO_SHARD_BYTES = 8 << 20
+# The fake Hub serves each connection at 1 MB/s, so the ~100 MB "download" takes about
+# 15 s with 8 at once, and one shard stalls once, so the watchdog and the resume show too.
+DEMO_HUB_FAULTS = ("rate:1000000", "stall:model-00003-of-00012.safetensors:3MiB:3600")
 
 
-def ensure_demo_weights(model_dir: Path) -> None:
-    """A tiny stand-in checkpoint (demo only): config.json plus small safetensors files the
-    engine emulator reads, so bytes-read progress moves as it would on the real box."""
-    model_dir.mkdir(parents=True, exist_ok=True)
-    config = model_dir / "config.json"
-    if not config.exists():
-        config.write_text(json.dumps({"model_type": "kimi_k3", "note": "appliance demo stand-in"}))
-    header = json.dumps({"__metadata__": {"format": "pt", "demo": "appliance"}}).encode()
-    for i in range(DEMO_SHARDS):
-        shard = model_dir / f"model-{i + 1:05d}-of-{DEMO_SHARDS:05d}.safetensors"
-        if not shard.exists():
-            shard.write_bytes(struct.pack("<Q", len(header)) + header
-                              + os.urandom(DEMO_SHARD_BYTES))
+def ensure_demo_repo(folder: Path) -> None:
+    """A small generated checkpoint in K3's layout for the fake Hub to serve (demo only)."""
+    if not (folder / "model.safetensors.index.json").exists():
+        write_checkpoint(folder, shards=DEMO_REPO_SHARDS, shard_bytes=DEMO_SHARD_BYTES)
+
+
+@contextlib.contextmanager
+def fake_hub(repo_id: str, folder: Path) -> Iterator[str]:
+    """The fake Hugging Face Hub (a test and demo instrument) as a child process; its URL."""
+    command = [sys.executable, "-m", "appliance.testing.fake_hub", "--repo",
+               f"{repo_id}={folder}", "--port", "0"]
+    for fault in DEMO_HUB_FAULTS:
+        command += ["--fault", fault]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        if "listening on" not in line:
+            raise ApplianceError("demo_hub", "the fake Hub did not start",
+                                 "run `python -m appliance.testing.fake_hub --help`")
+        yield line.split("listening on", 1)[1].strip()
+    finally:
+        process.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=5)
+
+
+def want_weights_once(db: Database, now: dt.datetime) -> None:
+    """On the demo's first run, ask for the weights: the daemon starts the pull by itself,
+    as it resumes any pull after a restart."""
+
+    def apply(session: Session) -> None:
+        control = weights_records.get_control(session)
+        if control.active_set_id is None and not control.job:
+            weights_records.set_control(session, at=now, by="demo", job="pull",
+                                        job_args={"repo": DEMO_MODEL, "revision": "main",
+                                                  "endpoint": os.environ[HUB_ENV]})
+
+    db.call(apply)
 
 
 def want_engine_running_once(db: Database, now: dt.datetime) -> None:
@@ -60,6 +98,16 @@ def want_engine_running_once(db: Database, now: dt.datetime) -> None:
 def main() -> int:
     if cli_main(["--dev", "migrate"]) != 0:
         return 1
+    repo_folder = DEV_ROOT.absolute() / "fake-hub" / DEMO_MODEL.replace("/", "--")
+    ensure_demo_repo(repo_folder)
+    with fake_hub(DEMO_MODEL, repo_folder) as hub_url:
+        os.environ[HUB_ENV] = hub_url
+        os.environ.setdefault("APPLIANCE_WEIGHTS_STALL_SECONDS", "10")
+        os.environ.setdefault("APPLIANCE_WEIGHTS_RESERVE_GIB", "1")
+        return run_demo(hub_url)
+
+
+def run_demo(hub_url: str) -> int:
     try:
         config = load_config(dev=True)
     except ApplianceError as exc:
@@ -68,7 +116,7 @@ def main() -> int:
     db = Database(config.database_url)
     now = dt.datetime.now(dt.UTC)
     db.call(lambda s: ensure_first_admin(s, config.paths.state_dir, now))
-    ensure_demo_weights(config.paths.models_dir / config.engine.model.replace("/", "--"))
+    want_weights_once(db, now)
     want_engine_running_once(db, now)
     db.dispose()
     server = config.server
@@ -89,8 +137,12 @@ def main() -> int:
         lines.append("  Log in as the admin whose password you chose earlier "
                      "(forgot it? .venv/bin/appliance --dev admin reset-password --username admin)")
     lines += [
+        f"  Weights:  pulled from a *fake* Hugging Face Hub at {hub_url} (a demo instrument",
+        "            serving a generated 100 MB checkpoint slowly, with one stalled shard); watch",
+        "            the Weights page: every file is hashed as it arrives, then proven.",
         "  Engine:   the Engine page starts the SGLang *emulator* (appliance.testing.fake_sglang)",
-        "            on fake GPUs: a 90-minute K3 start plays in about a minute.",
+        "            on fake GPUs: a 90-minute K3 start plays in about a minute. It waits for",
+        "            the weights to be proven, then starts by itself.",
         "  Stop with Ctrl-C (the emulated engine keeps running, as a real one would; the next",
         "  `make demo` adopts it; stop it from the Engine page).",
         "",

@@ -96,8 +96,10 @@ class WeightsService:
         """Resume the job the database says should be running (a restart mid-pull)."""
         control = await self.db.run(records.get_control)
         if control.job:
-            log.info("resuming the weights %s left running before the restart", control.job)
-            await self._event("info", f"resuming the weights {control.job} after a restart")
+            log.info("carrying on with the weights %s recorded by %s", control.job,
+                     control.updated_by)
+            await self._event("info", f"carrying on with the weights {control.job} recorded "
+                                      f"by {control.updated_by} (the daemon started)")
             self._launch(control.job, control.job_args)
         self._persister = asyncio.create_task(self._persist_loop())
 
