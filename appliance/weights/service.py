@@ -82,6 +82,7 @@ class WeightsService:
         # An operator's new pull refuses outright when the volume is short; a pull resumed
         # after a restart (or short mid-way) waits for space instead.
         self._fresh = False
+        self.space_recheck_seconds = SPACE_RECHECK_SECONDS  # how often a paused pull looks
 
     # --- life -------------------------------------------------------------------------------
 
@@ -394,7 +395,7 @@ class WeightsService:
             except DiskFull as exc:
                 await self._event("error", f"weights pull paused: {exc.message}")
                 self._set_activity(Activity.PAUSED, exc.message, exc.hint)
-                await asyncio.sleep(SPACE_RECHECK_SECONDS)
+                await asyncio.sleep(self.space_recheck_seconds)
         await self._complete(record, manifest)
 
     async def _transfers(self, client: httpx.AsyncClient, source: HubSource,
@@ -420,9 +421,14 @@ class WeightsService:
                     listener.failed(path, exc.message)
                     await self._event("error", f"weights: {path}: {exc.message}")
 
-        async with asyncio.TaskGroup() as group:
-            for path in pending:
-                group.create_task(one(path))
+        try:
+            async with asyncio.TaskGroup() as group:  # one failure stops the others
+                for path in pending:
+                    group.create_task(one(path))
+        except* DiskFull as full:  # pauses the whole pull (the caller waits for space)
+            raise full.exceptions[0] from None
+        except* Exception as other:
+            raise other.exceptions[0] from None
         if failed:
             raise TransferFailed(f"{len(failed)} file(s) could not be fetched: "
                                  f"{', '.join(failed[:5])}",
@@ -445,7 +451,7 @@ class WeightsService:
             await self._event("error", f"weights pull paused: {problem}")
         self._set_activity(Activity.PAUSED, problem, "free space on the models volume (or "
                            "lower weights.reserve_gib); the pull resumes by itself")
-        await asyncio.sleep(SPACE_RECHECK_SECONDS)
+        await asyncio.sleep(self.space_recheck_seconds)
         return False
 
     def _needs(self, manifest: Manifest, target_dir: Path) -> tuple[Needs, int]:
