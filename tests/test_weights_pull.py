@@ -376,3 +376,25 @@ def test_import_from_a_folder_adopts_matches_and_reports_what_is_missing(
         assert view.counts["verified"] == 7 and not view.ready_for_engine
 
     run(scenario)
+
+
+def test_prewarm_before_a_launch_reports_gb_per_second(tmp_path: Path, hub: FakeHub) -> None:
+    config, db = box(tmp_path / "box", hub)
+    off, off_db = box(tmp_path / "off", hub, APPLIANCE_WEIGHTS_PREWARM="false")
+
+    async def scenario() -> None:
+        service = WeightsService(config, db, SystemClock())
+        await pulled(service)
+        lines: list[str] = []
+        message = await service.prewarm_for_launch(lines.append)
+        assert message is not None and "page cache warmed before the launch" in message
+        assert "GB/s" in message
+        assert await service.prewarm_for_launch(lines.append) is None  # just warmed
+        await service.stop_service()
+        disabled = WeightsService(off, off_db, SystemClock())
+        await pulled(disabled)
+        assert await disabled.prewarm_for_launch(lines.append) is None
+        await disabled.stop_service()
+
+    run(scenario)
+    assert any("page cache warmed" in m for m in event_texts(db))

@@ -172,6 +172,8 @@ class WeightsGate(Protocol):
 
     async def launch_verdict(self) -> Verdict: ...
 
+    async def prewarm_for_launch(self, report: Callable[[str], None]) -> str | None: ...
+
 
 class Supervisor:
     def __init__(
@@ -345,6 +347,9 @@ class Supervisor:
                                  status=409)
         spec = spec or self.current_spec()
         checked = await asyncio.to_thread(validate_launch_spec, spec, self.config.engine.venv)
+        if checked.ok:  # the load reads 1.56 TB: from memory if the box has room for it
+            await self.weights.prewarm_for_launch(
+                lambda line: self._transition(EngineState.PREFLIGHT, line))
         if not checked.ok:
             details = "; ".join(p.message for p in checked.problems)
             hint = " ".join(p.hint for p in checked.problems if p.hint) or (

@@ -232,6 +232,8 @@ async def run_full_verify(service: WeightsService, *, rehash: bool) -> None:
         return
     now = service.clock.now()
     await service.db.run(lambda s: records.set_full_verified(s, set_id, now))
+    if keep_cached and len(todo) == len(files):
+        service.note_warm()
     await service.quick_verify()
     await service._finish_job(message=f"all {len(files)} files match the manifest "
                               f"({len(todo)} hashed at {speed})")

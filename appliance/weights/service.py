@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from appliance.clock import Clock
 from appliance.config import Config
@@ -47,6 +48,7 @@ from appliance.weights.views import Activity, FileState, FileView, Verdict, Weig
 log = logging.getLogger("appliance.weights")
 PERSIST_SECONDS = 2.0
 SPACE_RECHECK_SECONDS = 15.0
+WARM_FOR_SECONDS = 600.0  # a prewarm (or a full verification keeping pages) this recent counts
 
 
 class JobBusy(ApplianceError):
@@ -83,6 +85,7 @@ class WeightsService:
         # after a restart (or short mid-way) waits for space instead.
         self._fresh = False
         self.space_recheck_seconds = SPACE_RECHECK_SECONDS  # how often a paused pull looks
+        self._warm_at: float | None = None  # loop time of the last prewarm
 
     # --- life -------------------------------------------------------------------------------
 
@@ -204,6 +207,58 @@ class WeightsService:
                            "weights pull` (or re-import them), then start again")
         return Verdict(True, f"{engine_repo}@{record.commit[:12]} verified "
                        f"{record.full_verified_at:%Y-%m-%d %H:%M} UTC, quick check passed now")
+
+    async def prewarm_for_launch(self, report: Callable[[str], None]) -> str | None:
+        """Before a launch: read every shard into the page cache, in parallel, so the
+        engine's 80-minute load reads memory rather than disk. Only when weights.prewarm is
+        on and host RAM is at least 1.25 times the model (the B300 box has 3 TiB for 1.56 TB);
+        skipped right after a full verification that kept the pages. `report` gets a line
+        every second; the result (GB and GB/s) is returned and recorded as an event."""
+        from appliance.weights.hashing import prewarm, should_prewarm
+        from appliance.weights.importer import in_thread
+
+        record = await self.db.run(_active_set)
+        if not self.config.weights.prewarm or record is None:
+            return None
+        memory = (await asyncio.to_thread(psutil.virtual_memory)).total
+        if not should_prewarm(record.total_bytes, memory):
+            return None
+        loop = asyncio.get_running_loop()
+        if self._warm_at is not None and loop.time() - self._warm_at < WARM_FOR_SECONDS:
+            return None
+        files = await self.db.run(lambda s: records.set_files(s, record.id))
+        paths = [self.dir_for(record.repo_id) / f.path for f in files]
+        total = sum(f.size for f in files)
+        done = [0]
+        started = loop.time()
+
+        def count(nbytes: int) -> None:  # from worker threads; a list cell, summed loosely
+            done[0] += nbytes
+
+        async def narrate() -> None:
+            while True:
+                await asyncio.sleep(1.0)
+                rate = done[0] / max(loop.time() - started, 1e-6)
+                report(f"warming the page cache: {100 * done[0] / max(total, 1):.0f}% of "
+                       f"{total / 1e9:.1f} GB at {rate / 1e9:.2f} GB/s")
+
+        narrator = asyncio.create_task(narrate())
+        try:
+            result = await in_thread(self, lambda cancel: prewarm(
+                paths, workers=self.config.weights.hash_workers, on_progress=count,
+                cancel=cancel))
+        finally:
+            narrator.cancel()
+        self._warm_at = loop.time()
+        rate = result.bytes_read / max(result.seconds, 1e-6)
+        message = (f"page cache warmed before the launch: {result.bytes_read / 1e9:.2f} GB in "
+                   f"{result.seconds:.1f} s ({rate / 1e9:.2f} GB/s)")
+        await self._event("info", message)
+        return message
+
+    def note_warm(self) -> None:
+        """A full verification that kept its pages cached doubles as the prewarm."""
+        self._warm_at = asyncio.get_running_loop().time()
 
     async def export_manifest(self) -> Manifest:
         control = await self.db.run(records.get_control)
