@@ -24,7 +24,8 @@ def test_vendored_htmx_is_served_locally(server: LiveServer) -> None:
 
 
 def test_rendered_pages_and_schema_stay_local(logged_in: Console) -> None:
-    for path in ("/login", "/", "/audit", "/events", "/settings", "/api/v1/schema/openapi.json"):
+    for path in ("/login", "/", "/audit", "/events", "/settings", "/engine", "/weights",
+                 "/api/v1/schema/openapi.json"):
         response = logged_in.http.get(path)
         assert response.status_code == 200, path
         assert not EXTERNAL.search(response.text), path

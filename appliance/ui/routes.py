@@ -21,6 +21,15 @@ from appliance.ui.pages import (
     revoke_token_ui,
     settings_page,
 )
+from appliance.ui.weights import (
+    weights_cancel_ui,
+    weights_import_ui,
+    weights_page,
+    weights_pull_ui,
+    weights_status_partial,
+    weights_verify_full_ui,
+    weights_verify_quick_ui,
+)
 
 
 def ui_handlers() -> list[BaseRouteHandler]:
@@ -29,4 +38,6 @@ def ui_handlers() -> list[BaseRouteHandler]:
         dashboard, audit_page, events_page, settings_page, create_token_ui, revoke_token_ui,
         engine_page, engine_status_partial, engine_action_ui, engine_schedule_partial,
         engine_schedule_ui, engine_schedule_cancel_ui,
+        weights_page, weights_status_partial, weights_pull_ui, weights_verify_quick_ui,
+        weights_verify_full_ui, weights_import_ui, weights_cancel_ui,
     ]

@@ -366,6 +366,19 @@ class WeightsService:
 
     def _set_activity(self, activity: Activity, message: str, hint: str = "") -> None:
         self._activity, self._message, self._hint = activity, message, hint
+        if activity in (Activity.IDLE, Activity.FAILED):
+            self._settle()
+
+    def _settle(self) -> None:
+        """No job runs: files caught mid-flight are queued again (their .part stays), and no
+        rate or ETA is shown for them."""
+        in_flight = (FileState.DOWNLOADING, FileState.STALLED, FileState.RETRYING,
+                     FileState.VERIFYING)
+        for live in self._live.values():
+            if live.state in in_flight:
+                live.state, live.dirty = FileState.QUEUED.value, True
+            live.meter.reset()
+        self._total_meter.reset()
 
     # --- pull -------------------------------------------------------------------------------
 
