@@ -34,6 +34,7 @@ from appliance.weights.downloader import DiskFull, part_path
 from appliance.weights.hashing import Digest, HashResult, hash_files, should_prewarm
 from appliance.weights.live import LiveFile
 from appliance.weights.manifest import Manifest, ManifestFile, manifest_from_json
+from appliance.weights.pull import adopt_manifest, complete, mark_verified
 from appliance.weights.sources import read_manifest_file
 from appliance.weights.views import Activity, FileState
 
@@ -101,8 +102,6 @@ async def _hash_and_record(service: WeightsService, set_id: int, target_dir: Pat
                            todo: Sequence[records.FileRecord], *,
                            drop_cache: bool = True) -> dict[str, HashResult]:
     """Hash `todo` in place; matches are recorded verified, mismatches quarantined."""
-    from appliance.weights.service import mark_verified
-
     if not todo:
         return {}
     for f in todo:
@@ -270,7 +269,7 @@ def check_import_dir(directory: Path, manifest_file: Path | None) -> None:
 async def run_import(service: WeightsService, directory: Path,
                      manifest_file: Path | None) -> None:
     manifest = await _import_manifest(service, directory, manifest_file)
-    record = await service._adopt_manifest(manifest, str(directory))
+    record = await adopt_manifest(service, manifest, str(directory))
     target_dir = service.dir_for(manifest.repo_id)
     files = await service.db.run(lambda s: records.set_files(s, record.id))
     service._live_set = record.id
@@ -302,7 +301,7 @@ async def run_import(service: WeightsService, directory: Path,
                                   "already proven are kept), or `appliance weights pull` "
                                   "fetches only those")
         return
-    await service._complete(record, manifest)
+    await complete(service, record, manifest)
 
 
 async def _import_manifest(service: WeightsService, directory: Path,
@@ -341,8 +340,6 @@ async def _copy_in(service: WeightsService, set_id: int, source: Path, target: P
                    f: records.FileRecord) -> bool:
     """Adopt one file from elsewhere: same volume → hash it there and hard-link it (no
     copy); another volume → copy once into a .part while hashing, rename on a match."""
-    from appliance.weights.service import mark_verified
-
     live = service._live[f.path]
     size = await asyncio.to_thread(_size_of, source)
     if size != f.size:

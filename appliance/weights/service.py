@@ -15,14 +15,12 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
 from appliance.clock import Clock
 from appliance.config import Config
@@ -31,24 +29,14 @@ from appliance.db.journal import add_event
 from appliance.engine.args import model_dir
 from appliance.errors import ApplianceError
 from appliance.weights import records
-from appliance.weights.downloader import (
-    DiskFull,
-    RateLimiter,
-    Transfer,
-    TransferFailed,
-    TransferPolicy,
-    part_path,
-)
 from appliance.weights.live import LiveFile, RateMeter, eta
-from appliance.weights.manifest import Manifest, Needs, needs, space_problem
+from appliance.weights.manifest import Manifest
 from appliance.weights.quick import QuickReport, quick_verify
-from appliance.weights.sources import HubSource, SourceError
 from appliance.weights.views import Activity, FileState, FileView, Verdict, WeightsView
 
 log = logging.getLogger("appliance.weights")
 PERSIST_SECONDS = 2.0
 SPACE_RECHECK_SECONDS = 15.0
-WARM_FOR_SECONDS = 600.0  # a prewarm (or a full verification keeping pages) this recent counts
 
 
 class JobBusy(ApplianceError):
@@ -186,7 +174,7 @@ class WeightsService:
     async def launch_verdict(self) -> Verdict:
         """For preflight: fully verified once, and the quick tier passes now."""
         engine_repo = self.config.engine.model
-        record = await self.db.run(_active_set)
+        record = await self.db.run(active_set)
         if record is None or record.repo_id != engine_repo:
             return Verdict(None, f"no manifest of {engine_repo} is recorded, so the files "
                            "cannot be proven", "pull the weights (`appliance weights pull`), "
@@ -209,52 +197,10 @@ class WeightsService:
                        f"{record.full_verified_at:%Y-%m-%d %H:%M} UTC, quick check passed now")
 
     async def prewarm_for_launch(self, report: Callable[[str], None]) -> str | None:
-        """Before a launch: read every shard into the page cache, in parallel, so the
-        engine's 80-minute load reads memory rather than disk. Only when weights.prewarm is
-        on and host RAM is at least 1.25 times the model (the B300 box has 3 TiB for 1.56 TB);
-        skipped right after a full verification that kept the pages. `report` gets a line
-        every second; the result (GB and GB/s) is returned and recorded as an event."""
-        from appliance.weights.hashing import prewarm, should_prewarm
-        from appliance.weights.importer import in_thread
+        """Before a launch: the shards into the page cache when RAM allows (prewarm.py)."""
+        from appliance.weights.prewarm import prewarm_for_launch
 
-        record = await self.db.run(_active_set)
-        if not self.config.weights.prewarm or record is None:
-            return None
-        memory = (await asyncio.to_thread(psutil.virtual_memory)).total
-        if not should_prewarm(record.total_bytes, memory):
-            return None
-        loop = asyncio.get_running_loop()
-        if self._warm_at is not None and loop.time() - self._warm_at < WARM_FOR_SECONDS:
-            return None
-        files = await self.db.run(lambda s: records.set_files(s, record.id))
-        paths = [self.dir_for(record.repo_id) / f.path for f in files]
-        total = sum(f.size for f in files)
-        done = [0]
-        started = loop.time()
-
-        def count(nbytes: int) -> None:  # from worker threads; a list cell, summed loosely
-            done[0] += nbytes
-
-        async def narrate() -> None:
-            while True:
-                await asyncio.sleep(1.0)
-                rate = done[0] / max(loop.time() - started, 1e-6)
-                report(f"warming the page cache: {100 * done[0] / max(total, 1):.0f}% of "
-                       f"{total / 1e9:.1f} GB at {rate / 1e9:.2f} GB/s")
-
-        narrator = asyncio.create_task(narrate())
-        try:
-            result = await in_thread(self, lambda cancel: prewarm(
-                paths, workers=self.config.weights.hash_workers, on_progress=count,
-                cancel=cancel))
-        finally:
-            narrator.cancel()
-        self._warm_at = loop.time()
-        rate = result.bytes_read / max(result.seconds, 1e-6)
-        message = (f"page cache warmed before the launch: {result.bytes_read / 1e9:.2f} GB in "
-                   f"{result.seconds:.1f} s ({rate / 1e9:.2f} GB/s)")
-        await self._event("info", message)
-        return message
+        return await prewarm_for_launch(self, report)
 
     def note_warm(self) -> None:
         """A full verification that kept its pages cached doubles as the prewarm."""
@@ -273,7 +219,7 @@ class WeightsService:
     # --- status -----------------------------------------------------------------------------
 
     async def status(self) -> WeightsView:
-        record = await self.db.run(_active_set)
+        record = await self.db.run(active_set)
         files = await self.db.run(lambda s: records.set_files(s, record.id)) if record else []
         now = asyncio.get_running_loop().time()
         live = self._live if record and self._live_set == record.id else {}
@@ -380,193 +326,12 @@ class WeightsService:
             live.meter.reset()
         self._total_meter.reset()
 
-    # --- pull -------------------------------------------------------------------------------
+    # --- the jobs (pull.py, importer.py) -------------------------------------------------------
 
     async def _run_pull(self, args: dict[str, Any]) -> None:
-        repo, revision, endpoint = args["repo"], args["revision"], args["endpoint"]
-        source = HubSource(endpoint, repo, self._token())
-        async with self._client() as client:
-            manifest = await self._resolve(client, source, repo, revision)
-            record = await self._adopt_manifest(manifest, source.description)
-            await self._download_all(client, source, record, manifest)
+        from appliance.weights.pull import run_pull
 
-    def _token(self) -> str:
-        weights = self.config.weights
-        if weights.token:
-            return weights.token
-        if weights.token_file is not None:
-            try:
-                return weights.token_file.read_text().strip()
-            except OSError as exc:
-                raise ApplianceError(
-                    "weights_token_unreadable", f"cannot read weights.token_file "
-                    f"{weights.token_file}: {exc.strerror or exc}",
-                    "make the file readable by the appliance user (mode 0600)") from None
-        return ""
-
-    def _client(self) -> httpx.AsyncClient:
-        limits = httpx.Limits(max_connections=self.config.weights.concurrency + 4,
-                              max_keepalive_connections=self.config.weights.concurrency)
-        return httpx.AsyncClient(transport=self._transport, limits=limits, max_redirects=5)
-
-    async def _resolve(self, client: httpx.AsyncClient, source: HubSource, repo: str,
-                       revision: str) -> Manifest:
-        """The manifest, retried (with backoff) for as long as the source fails transiently."""
-        known = await self.db.run(lambda s: _stored_manifest(s, repo, revision))
-        if known is not None:
-            return known  # a pinned commit already recorded: no network needed
-        policy = TransferPolicy.from_config(self.config.weights)
-        failures = 0
-        while True:
-            self._set_activity(Activity.RESOLVING, f"reading the file list of {repo}@{revision} "
-                               f"from {source.endpoint}")
-            try:
-                return await source.manifest(client, repo, revision)
-            except SourceError as exc:
-                if not exc.retryable:
-                    raise
-                failures += 1
-                delay = policy.backoff(failures)
-                self._set_activity(Activity.RESOLVING, f"retrying in {delay:.0f} s: "
-                                   f"{exc.message}", exc.hint)
-                await self._event("warning", f"weights manifest: {exc.message}; retry "
-                                  f"{failures} in {delay:.0f} s")
-                await asyncio.sleep(delay)
-
-    async def _adopt_manifest(self, manifest: Manifest, source: str) -> records.SetRecord:
-        now = self.clock.now()
-
-        def store(s: Any) -> records.SetRecord:
-            record = records.store_manifest(s, manifest, source, now)
-            records.set_control(s, at=now, by="weights", active_set_id=record.id)
-            return record
-
-        record = await self.db.run(store)
-        await self._event("info", f"weights manifest of {manifest.repo_id}@"
-                          f"{manifest.commit[:12]}: {len(manifest.files)} files, "
-                          f"{manifest.total_bytes / 1e9:.2f} GB")
-        return record
-
-    async def _download_all(self, client: httpx.AsyncClient, source: HubSource,
-                            record: records.SetRecord, manifest: Manifest) -> None:
-        target_dir = self.dir_for(manifest.repo_id)
-        while True:
-            pending = await self._reconcile(record, manifest, target_dir)
-            if not pending:
-                break
-            if not await self._space_ok(manifest, target_dir):
-                continue
-            self._set_activity(Activity.DOWNLOADING, f"downloading {len(pending)} files of "
-                               f"{manifest.repo_id}@{manifest.commit[:12]} from {source.endpoint}")
-            try:
-                await self._transfers(client, source, record, manifest, pending, target_dir)
-            except DiskFull as exc:
-                await self._event("error", f"weights pull paused: {exc.message}")
-                self._set_activity(Activity.PAUSED, exc.message, exc.hint)
-                await asyncio.sleep(self.space_recheck_seconds)
-        await self._complete(record, manifest)
-
-    async def _transfers(self, client: httpx.AsyncClient, source: HubSource,
-                         record: records.SetRecord, manifest: Manifest, pending: list[str],
-                         target_dir: Path) -> None:
-        weights = self.config.weights
-        policy = TransferPolicy.from_config(weights)
-        limiter = RateLimiter(weights.bandwidth_limit_mib_s * 1024 * 1024)
-        slots = asyncio.Semaphore(weights.concurrency)
-        listener = _Listener(self, record.id)
-        failed: list[str] = []
-
-        async def one(path: str) -> None:
-            item = manifest.file(path)
-            assert item is not None
-            async with slots:
-                transfer = Transfer(client, source, manifest.commit, item, target_dir / path,
-                                    policy, limiter, listener, self.executor)
-                try:
-                    await transfer.run()
-                except TransferFailed as exc:
-                    failed.append(path)
-                    listener.failed(path, exc.message)
-                    await self._event("error", f"weights: {path}: {exc.message}")
-
-        try:
-            async with asyncio.TaskGroup() as group:  # one failure stops the others
-                for path in pending:
-                    group.create_task(one(path))
-        except* DiskFull as full:  # pauses the whole pull (the caller waits for space)
-            raise full.exceptions[0] from None
-        except* Exception as other:
-            raise other.exceptions[0] from None
-        if failed:
-            raise TransferFailed(f"{len(failed)} file(s) could not be fetched: "
-                                 f"{', '.join(failed[:5])}",
-                                 "see each file's error on the Weights page; fix the cause and "
-                                 "pull again (finished files are kept)")
-
-    async def _space_ok(self, manifest: Manifest, target_dir: Path) -> bool:
-        """True when the volume can take the rest; otherwise PAUSED for a while (False)."""
-        need, free = await asyncio.to_thread(self._needs, manifest, target_dir)
-        problem = space_problem(need, free, self.config.weights.reserve_gib << 30)
-        fresh, self._fresh = self._fresh, False
-        if problem is None:
-            return True
-        if fresh:
-            raise ApplianceError("weights_disk_short", f"not starting the pull: {problem}",
-                                 "free space on the models volume (old revisions, stray "
-                                 "files) or lower weights.reserve_gib, then pull again",
-                                 status=507)
-        if self._activity != Activity.PAUSED:
-            await self._event("error", f"weights pull paused: {problem}")
-        self._set_activity(Activity.PAUSED, problem, "free space on the models volume (or "
-                           "lower weights.reserve_gib); the pull resumes by itself")
-        await asyncio.sleep(self.space_recheck_seconds)
-        return False
-
-    def _needs(self, manifest: Manifest, target_dir: Path) -> tuple[Needs, int]:
-        verified = {p for p, live in self._live.items() if live.state == FileState.VERIFIED}
-        partials = {}
-        for item in manifest.files:
-            with contextlib.suppress(OSError):
-                partials[item.path] = part_path(target_dir / item.path).stat().st_size
-        return needs(manifest, verified, partials), free_bytes(target_dir)
-
-    async def _complete(self, record: records.SetRecord, manifest: Manifest) -> None:
-        from appliance.weights.importer import remove_quarantine
-
-        await asyncio.to_thread(remove_quarantine, self.dir_for(manifest.repo_id))
-        now = self.clock.now()
-        await self.db.run(lambda s: records.set_full_verified(s, record.id, now))
-        report = await self.quick_verify()
-        if report is not None and not report.ok:
-            raise ApplianceError("weights_quick_failed", "every file matched its hash but the "
-                                 "checkpoint's structure check failed: " + "; ".join(
-                                     f"{p.path}: {p.message}" for p in report.problems[:3]),
-                                 "the source publishes a broken checkpoint; report it upstream")
-        await self._finish_job(message=f"{manifest.repo_id}@{manifest.commit[:12]}: all "
-                               f"{len(manifest.files)} files verified "
-                               f"({manifest.total_bytes / 1e9:.2f} GB)")
-        if self.on_ready is not None:
-            await self.on_ready()
-
-    # --- reconcile what is on disk with the records ---------------------------------------
-
-    async def _reconcile(self, record: records.SetRecord, manifest: Manifest,
-                         target_dir: Path) -> list[str]:
-        """Files still to fetch. A file recorded verified stays so while its size and mtime
-        are unchanged; a file present but unproven (a copy, an older commit's identical file)
-        is hashed and adopted when it matches; anything else is queued."""
-        from appliance.weights.importer import adopt_in_place
-
-        files = await self.db.run(lambda s: records.set_files(s, record.id))
-        self._live_set = record.id
-        self._live = {f.path: LiveFile(size=f.size, state=f.state, bytes_done=f.bytes_done,
-                                       attempts=f.attempts, last_error=f.last_error)
-                      for f in files}
-        self._set_activity(Activity.VERIFYING, "checking the files already on disk")
-        results = await adopt_in_place(self, record.id, files, target_dir)
-        return [f.path for f in files if not results.get(f.path)]
-
-    # --- verify and import -------------------------------------------------------------------
+        await run_pull(self, args)
 
     async def _run_verify(self, args: dict[str, Any]) -> None:
         from appliance.weights.importer import run_full_verify
@@ -630,87 +395,9 @@ class WeightsService:
         self._total_meter.add(now, sum(f.bytes_done for f in self._live.values()))
 
 
-class _Listener:
-    """Transfer callbacks → live progress, events and the verified records."""
-
-    def __init__(self, service: WeightsService, set_id: int) -> None:
-        self.service = service
-        self.set_id = set_id
-
-    def _live(self, path: str) -> LiveFile:
-        live = self.service.live_file(path)
-        assert live is not None, path
-        return live
-
-    def on_state(self, path: str, state: str) -> None:
-        live = self._live(path)
-        live.state, live.dirty = state, True
-        if state == FileState.DOWNLOADING:
-            live.last_progress = asyncio.get_running_loop().time()
-
-    def on_bytes(self, path: str, bytes_done: int) -> None:
-        now = asyncio.get_running_loop().time()
-        self._live(path).progress(now, bytes_done)
-        self.service.note_total()
-
-    def on_retry(self, path: str, attempt: int, error: str, delay: float) -> None:
-        live = self._live(path)
-        live.state, live.attempts, live.last_error, live.dirty = (
-            FileState.RETRYING.value, attempt, error, True)
-        live.meter.reset()
-        message = f"weights: {path}: {error}; retry {attempt} in {delay:.0f} s"
-        log.warning("%s", message)
-        task = asyncio.ensure_future(self.service._event("warning", message))
-        task.add_done_callback(_ignore_result)
-
-    def on_verified(self, path: str) -> None:
-        live = self._live(path)
-        live.state, live.bytes_done, live.last_error, live.dirty = (
-            FileState.VERIFIED.value, live.size, "", True)
-        task = asyncio.ensure_future(mark_verified(self.service, self.set_id, path))
-        task.add_done_callback(_ignore_result)
-
-    def failed(self, path: str, error: str) -> None:
-        live = self._live(path)
-        live.state, live.last_error, live.dirty = FileState.FAILED.value, error, True
-
-
-def _ignore_result(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("weights bookkeeping failed: %s", task.exception())
-
-
-async def mark_verified(service: WeightsService, set_id: int, path: str) -> None:
-    """Record a file as proven, with the size and mtime it was proven at."""
-    record = await service.db.run(lambda s: records.get_set(s, set_id))
-    assert record is not None
-    target = service.dir_for(record.repo_id) / path
-    stat = await asyncio.to_thread(target.stat)
-    now = service.clock.now()
-    await service.db.run(lambda s: records.update_file(
-        s, set_id, path, state=FileState.VERIFIED.value, bytes_done=stat.st_size,
-        verified_at=now, verified_size=stat.st_size, verified_mtime_ns=stat.st_mtime_ns,
-        last_error=""))
-
-
-def free_bytes(path: Path) -> int:
-    """Free bytes for unprivileged writers on the volume of `path` (or its nearest parent)."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    usage = os.statvfs(path)
-    return usage.f_bavail * usage.f_frsize
-
-
-def _active_set(session: Any) -> records.SetRecord | None:
+def active_set(session: Any) -> records.SetRecord | None:
     set_id = records.get_control(session).active_set_id
     return records.get_set(session, set_id) if set_id is not None else None
-
-
-def _stored_manifest(session: Any, repo: str, revision: str) -> Manifest | None:
-    for record in records.list_sets(session):
-        if record.repo_id == repo and record.commit == revision:
-            return records.load_manifest(session, record.id)
-    return None
 
 
 def _no_manifest() -> ApplianceError:
