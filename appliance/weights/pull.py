@@ -20,12 +20,12 @@ from appliance.errors import ApplianceError
 from appliance.weights import records
 from appliance.weights.downloader import (
     DiskFull,
-    RateLimiter,
-    Transfer,
+        Transfer,
     TransferFailed,
     TransferPolicy,
     part_path,
 )
+from appliance.weights.fetch import Throttle
 from appliance.weights.live import LiveFile
 from appliance.weights.manifest import Manifest, Needs, needs, space_problem
 from appliance.weights.sources import HubSource, SourceError
@@ -43,7 +43,7 @@ async def run_pull(service: WeightsService, args: dict[str, Any]) -> None:
     async with _client(service) as client:
         manifest = await _resolve(service, client, source, repo, revision)
         record = await adopt_manifest(service, manifest, source.description)
-        await _download_all(service, client, source, record, manifest)
+    await _download_all(service, source, record, manifest)
 
 
 def _token(service: WeightsService) -> str:
@@ -62,9 +62,8 @@ def _token(service: WeightsService) -> str:
 
 
 def _client(service: WeightsService) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=service.config.weights.concurrency + 4,
-                          max_keepalive_connections=service.config.weights.concurrency)
-    return httpx.AsyncClient(transport=service._transport, limits=limits, max_redirects=5)
+    """For the metadata calls; the files themselves go through fetch.py's threads."""
+    return httpx.AsyncClient(transport=service._transport, max_redirects=5)
 
 
 async def _resolve(service: WeightsService, client: httpx.AsyncClient, source: HubSource, repo: str,
@@ -108,7 +107,7 @@ async def adopt_manifest(service: WeightsService, manifest: Manifest,
     return record
 
 
-async def _download_all(service: WeightsService, client: httpx.AsyncClient, source: HubSource,
+async def _download_all(service: WeightsService, source: HubSource,
                         record: records.SetRecord, manifest: Manifest) -> None:
     target_dir = service.dir_for(manifest.repo_id)
     while True:
@@ -120,7 +119,7 @@ async def _download_all(service: WeightsService, client: httpx.AsyncClient, sour
         service._set_activity(Activity.DOWNLOADING, f"downloading {len(pending)} files of "
                            f"{manifest.repo_id}@{manifest.commit[:12]} from {source.endpoint}")
         try:
-            await _transfers(service, client, source, record, manifest, pending, target_dir)
+            await _transfers(service, source, record, manifest, pending, target_dir)
         except DiskFull as exc:
             await service._event("error", f"weights pull paused: {exc.message}")
             service._set_activity(Activity.PAUSED, exc.message, exc.hint)
@@ -128,12 +127,12 @@ async def _download_all(service: WeightsService, client: httpx.AsyncClient, sour
     await complete(service, record, manifest)
 
 
-async def _transfers(service: WeightsService, client: httpx.AsyncClient, source: HubSource,
+async def _transfers(service: WeightsService, source: HubSource,
                      record: records.SetRecord, manifest: Manifest, pending: list[str],
                      target_dir: Path) -> None:
     weights = service.config.weights
     policy = TransferPolicy.from_config(weights)
-    limiter = RateLimiter(weights.bandwidth_limit_mib_s * 1024 * 1024)
+    throttle = Throttle(weights.bandwidth_limit_mib_s * 1024 * 1024)
     slots = asyncio.Semaphore(weights.concurrency)
     listener = _Listener(service, record.id)
     failed: list[str] = []
@@ -142,8 +141,8 @@ async def _transfers(service: WeightsService, client: httpx.AsyncClient, source:
         item = manifest.file(path)
         assert item is not None
         async with slots:
-            transfer = Transfer(client, source, manifest.commit, item, target_dir / path,
-                                policy, limiter, listener, service.executor)
+            transfer = Transfer(source, manifest.commit, item, target_dir / path, policy,
+                                throttle, listener, service.executor)
             try:
                 await transfer.run()
             except TransferFailed as exc:

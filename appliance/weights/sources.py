@@ -141,13 +141,17 @@ class HubSource:
 
 
 def refuse_status(response: httpx.Response, what: str, endpoint: str) -> None:
-    """Raise SourceError for a non-2xx answer: 429/5xx are retryable, the rest are not."""
-    status = response.status_code
-    if status < 300:
-        return
-    code = response.headers.get("X-Error-Code", "")
+    """Raise SourceError for a non-2xx answer (see `classify_status`)."""
+    if response.status_code >= 300:
+        raise classify_status(response.status_code, response.headers.get("X-Error-Code", ""),
+                              what, endpoint)
+
+
+def classify_status(status: int, code: str, what: str, endpoint: str) -> SourceError:
+    """The SourceError for a non-2xx answer: 408, 429 and 5xx are retryable (waiting helps),
+    the rest are not (a token, a repo id or an endpoint to fix)."""
     if status in (401, 403):
-        raise SourceError(
+        return SourceError(
             f"{endpoint} refused {what} ({status}{' ' + code if code else ''}): the repo is "
             "gated or private and the token is missing, wrong or lacks access",
             "set weights.token_file (or HF_TOKEN) to a token with read access, accept the "
@@ -155,23 +159,14 @@ def refuse_status(response: httpx.Response, what: str, endpoint: str) -> None:
     if status == 404:
         detail = {"RepoNotFound": "no such repo", "RevisionNotFound": "no such revision",
                   "EntryNotFound": "no such file"}.get(code, "not found")
-        raise SourceError(f"{endpoint}: {what}: {detail} (404)",
-                          "check weights.repo, weights.revision and weights.endpoint",
-                          retryable=False)
+        return SourceError(f"{endpoint}: {what}: {detail} (404)",
+                           "check weights.repo, weights.revision and weights.endpoint",
+                           retryable=False)
     retryable = status == 429 or status >= 500 or status == 408
-    raise SourceError(f"{endpoint} answered {status} for {what}",
-                      "the pull retries by itself" if retryable else
-                      "check weights.endpoint (is it a Hub-compatible server?)",
-                      retryable=retryable)
-
-
-def retry_after_seconds(response: httpx.Response) -> float | None:
-    """The server's Retry-After in seconds (delta form only; dates are treated as absent)."""
-    value = response.headers.get("Retry-After", "").strip()
-    try:
-        return max(0.0, float(value)) if value else None
-    except ValueError:
-        return None
+    return SourceError(f"{endpoint} answered {status} for {what}",
+                       "the pull retries by itself" if retryable else
+                       "check weights.endpoint (is it a Hub-compatible server?)",
+                       retryable=retryable)
 
 
 def read_manifest_file(directory: Path) -> Manifest | None:
