@@ -32,7 +32,7 @@ from appliance.testing.checkpoint import write_checkpoint
 from appliance.weights.service import WeightsService
 from tests.conftest import run_cli, wait_for
 from tests.test_server import Daemon, write_config
-from tests.test_weights_pull import REPO, box, identical
+from tests.test_weights_pull import REPO, box, identical, part_sizes
 
 TOKEN = "hf_DaemonToken_9f8e7d6c5b4a"
 
@@ -84,13 +84,12 @@ def test_kill_9_mid_download_resumes_on_restart_with_range_only(tmp_path: Path) 
         first.wait_ready()
         started = weights_cli(config, "pull", "--detach")
         assert started["activity"] in ("resolving", "downloading"), started
-        wait_for(lambda: [p for p in target.glob("*.part") if p.stat().st_size > 200_000],
+        wait_for(lambda: any(n > 200_000 for n in part_sizes(target).values()),
                  "partial shards on disk")
         first.proc.send_signal(signal.SIGKILL)  # fault 1: kill -9 mid-download
         first.proc.wait(timeout=10)
         killed_at = time.time()
-        parts = {p.name.removesuffix(".part"): p.stat().st_size for p in target.glob("*.part")
-                 if p.stat().st_size}  # an empty part (no byte yet) rightly starts from 0
+        parts = part_sizes(target)  # an empty part (no byte yet) rightly starts from 0
         assert parts
         db = Database(first.settings.database_url)
         verified = db.call(lambda s: {r.path for r in s.scalars(select(WeightsFile)).all()
@@ -179,7 +178,7 @@ def test_disk_full_refuses_then_pauses_and_resumes(tmp_path: Path, small_volume:
         async def paused_then_resumed() -> None:
             await service.pull(actor="test")
             for _ in range(600):
-                if any(p.stat().st_size > 300_000 for p in target.glob("*.part")):
+                if any(n > 300_000 for n in part_sizes(target).values()):
                     break
                 await asyncio.sleep(0.02)
             filler = fill(small_volume, leave=0)  # fault 4: the disk fills up mid-way
@@ -190,7 +189,7 @@ def test_disk_full_refuses_then_pauses_and_resumes(tmp_path: Path, small_volume:
                 await asyncio.sleep(0.05)
             assert view.activity == "paused", view.message
             assert "full" in view.message or "short by" in view.message
-            partial = {p.name.removesuffix(".part") for p in target.glob("*.part")}
+            partial = set(part_sizes(target))
             states = db.call(lambda s: {r.path: r.state for r in s.scalars(select(WeightsFile))})
             assert partial and all(states[name] != "verified" for name in partial)
             assert view.full_verified_at is None and not view.ready_for_engine

@@ -11,6 +11,7 @@ after damage on disk; import from a folder; a full verification that quarantines
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import shutil
 import time
@@ -81,6 +82,17 @@ def identical(repo: Path, target: Path) -> bool:
 
 def gets(hub: FakeHub, name: str) -> list[dict[str, Any]]:
     return [r for r in hub.requests() if r["method"] == "GET" and r["path"].endswith("/" + name)]
+
+
+def part_sizes(folder: Path) -> dict[str, int]:
+    """name → length of each non-empty .part now; a part renamed into place while we look
+    (a small file finishing) is simply not there."""
+    sizes = {}
+    for part in folder.glob("*.part"):
+        with contextlib.suppress(FileNotFoundError):
+            if size := part.stat().st_size:
+                sizes[part.name.removesuffix(".part")] = size
+    return sizes
 
 
 def event_texts(db: Database) -> list[str]:
@@ -247,15 +259,13 @@ def test_restart_mid_pull_resumes_by_itself_from_the_parts(
         await service.start_service()
         await service.pull(actor="test")
         for _ in range(400):
-            parts = [p for p in target.glob("*.part") if p.stat().st_size > 100_000]
-            if parts:
+            if any(size > 100_000 for size in part_sizes(target).values()):
                 break
             await asyncio.sleep(0.05)
         await service.stop_service()  # like a daemon restart: the wish stays in the database
 
     run(first)
-    offsets = {p.name.removesuffix(".part"): p.stat().st_size for p in target.glob("*.part")
-               if p.stat().st_size}  # an empty part (no byte yet) rightly starts from 0
+    offsets = part_sizes(target)  # an empty part (no byte yet) rightly starts from 0
     assert offsets, "no partial file to resume"
     hub.clear_faults()
     time.sleep(1.0)  # the hub logs a request when it ends: let the dropped ones land first
@@ -287,7 +297,7 @@ def test_cancel_keeps_the_parts_and_clears_the_wish(
         service = WeightsService(config, db, SystemClock())
         await service.pull(actor="test")
         for _ in range(400):
-            if any(p.stat().st_size > 50_000 for p in target.glob("*.part")):
+            if any(size > 50_000 for size in part_sizes(target).values()):
                 break
             await asyncio.sleep(0.05)
         view = await service.cancel(actor="ops")
