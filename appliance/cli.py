@@ -250,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     from appliance.weights import cli as weights_cli
 
     weights_cli.add_parser(sub, common)
+    from appliance.tuning import cli as tuning_cli
+
+    tuning_cli.add_parser(sub, common)
     return parser
 
 
@@ -265,9 +268,15 @@ def cmd_weights(args: argparse.Namespace, config: Config) -> int:
     return weights_cli.run(args, config)
 
 
+def cmd_tune(args: argparse.Namespace, config: Config) -> int:
+    from appliance.tuning import cli as tuning_cli
+
+    return tuning_cli.run(args, config)
+
+
 HANDLERS: dict[str, Handler] = {
     "serve": cmd_serve, "migrate": cmd_migrate, "admin": cmd_admin, "token": cmd_token,
-    "engine": cmd_engine, "weights": cmd_weights,
+    "engine": cmd_engine, "weights": cmd_weights, "tune": cmd_tune,
 }
 
 

@@ -29,6 +29,7 @@ from appliance.gpu.nvml import NvmlGpus
 from appliance.gpu.port import GpuPort
 from appliance.resources import migrations_dir
 from appliance.secrets import server_secret
+from appliance.tuning.service import TuningService
 from appliance.weights.service import WeightsService
 
 
@@ -44,6 +45,7 @@ class Runtime:
     gpus: GpuPort
     supervisor: Supervisor
     weights: WeightsService
+    tuning: TuningService
     version: str = __version__
     started_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
     started_monotonic: float = 0.0
@@ -105,6 +107,7 @@ def build_runtime(
         poll_interval=engine_poll_seconds, backoff_base=engine_backoff_seconds,
     )
     weights.on_ready = lambda: start_when_waiting(supervisor)
+    tuning = TuningService(config, db, clock, gpus, supervisor, weights)
     return Runtime(
         config=config,
         clock=clock,
@@ -120,6 +123,7 @@ def build_runtime(
         gpus=gpus,
         supervisor=supervisor,
         weights=weights,
+        tuning=tuning,
         started_at=clock.now(),
         started_monotonic=clock.monotonic(),
     )

@@ -44,11 +44,7 @@ class ActionBody:
 
 
 def cost_sentence(runtime: Runtime) -> str:
-    typical = runtime.supervisor.status.expected_start_seconds
-    if typical is None:
-        return "a cold start of Kimi K3 takes about 90 minutes (no start measured on this box yet)"
-    took = f"{typical:.0f} seconds" if typical < 90 else f"{typical / 60:.0f} minutes"
-    return f"a start takes about {took} on this box (median of recent starts)"
+    return runtime.supervisor.start_cost()
 
 
 async def run_action(runtime: Runtime, command: Command, confirm: bool, actor: str,

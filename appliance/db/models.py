@@ -239,3 +239,36 @@ class WeightsControl(Base):
     job_args: Mapped[str] = mapped_column(Text, nullable=False, default="{}")
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
     updated_by: Mapped[str] = mapped_column(String(128), nullable=False, default="")
+
+
+class TuningProfile(Base):
+    """A custom workload profile (the built-ins live in code, `appliance.tuning.profiles`).
+    `lengths_json` is a `LengthDistribution.to_json()` document."""
+
+    __tablename__ = "tuning_profiles"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True, nullable=False)
+    title: Mapped[str] = mapped_column(String(128), nullable=False)
+    description: Mapped[str] = mapped_column(Text, nullable=False, default="")
+    lengths_json: Mapped[str] = mapped_column(Text, nullable=False)
+    target_concurrency: Mapped[int] = mapped_column(Integer, nullable=False)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
+    created_by: Mapped[str] = mapped_column(String(128), nullable=False, default="")
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
+    updated_by: Mapped[str] = mapped_column(String(128), nullable=False, default="")
+
+
+class TuningChoice(Base):
+    """The applied memory split (one row): the profile it came from, the ratio and the optional
+    `--max-mamba-cache-size` pin the engine's launch spec uses, and who applied it."""
+
+    __tablename__ = "tuning_choice"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    profile: Mapped[str] = mapped_column(String(64), nullable=False)
+    ratio: Mapped[float] = mapped_column(Float, nullable=False)
+    pin: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    applied_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
+    applied_by: Mapped[str] = mapped_column(String(128), nullable=False, default="")
+    spec_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)

@@ -212,6 +212,8 @@ class Supervisor:
         self._history: list[float] = []
         # Run-record writes are read-modify-write (the phase list): one at a time, in order.
         self._run_writes = asyncio.Lock()
+        # The tuning layer of the launch spec (the applied memory split; tuning/service.py).
+        self.tuning_args: tuple[tuple[str, str | None], ...] = ()
 
     # --- reading ------------------------------------------------------------------------
 
@@ -222,6 +224,20 @@ class Supervisor:
     @property
     def model_dir(self) -> Path:
         return self.config.paths.models_dir / self.config.engine.model.replace("/", "--")
+
+    @property
+    def running_spec_hash(self) -> str | None:
+        """The spec hash of the engine being followed now (None when none is)."""
+        return self._live.run.spec_hash if self._live is not None else None
+
+    def start_cost(self) -> str:
+        """What a start costs on this box, in words (the median of recent starts)."""
+        typical = self._status.expected_start_seconds
+        if typical is None:
+            return ("a cold start of Kimi K3 takes about 90 minutes (no start measured on "
+                    "this box yet)")
+        took = f"{typical:.0f} seconds" if typical < 90 else f"{typical / 60:.0f} minutes"
+        return f"a start takes about {took} on this box (median of recent starts)"
 
     @property
     def log_path(self) -> Path:
@@ -322,7 +338,8 @@ class Supervisor:
 
     def current_spec(self) -> LaunchSpec:
         """The spec a start would launch now (pure: config → argv with provenance)."""
-        return build_launch_spec(self.config.engine.command, inputs_from_config(self.config))
+        return build_launch_spec(self.config.engine.command,
+                                 inputs_from_config(self.config, tuning_args=self.tuning_args))
 
     async def _start(self, actor: str, attempt: int = 1, spec: LaunchSpec | None = None) -> None:
         if self._retry is not None and not self._retry.done() and attempt == 1:

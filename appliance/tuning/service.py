@@ -1,0 +1,255 @@
+"""The tuning service: the pure calculator fed with this box's facts, and the applied choice.
+
+Facts: the model's geometry (its `config.json` in the models folder), the launch the engine
+would get now (the supervisor's launch spec, so operator flags count), and the pool budget —
+measured from the engine's last startup log when there was one, else estimated from GPU
+memory, the weights' size and `--mem-fraction-static`, and labelled as an estimate.
+
+Applying a choice records it (`tuning_choice`) and hands the supervisor the flags it adds to
+the launch spec's tuning layer (`--mamba-full-memory-ratio`, and `--max-mamba-cache-size` for a
+pin); the restart that makes it real is the operator's, now or in a maintenance window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from appliance.clock import Clock
+from appliance.config import Config
+from appliance.db.database import Database
+from appliance.engine.args import LaunchSpec, model_dir
+from appliance.gpu.port import GpuPort, snapshot_with_timeout
+from appliance.tuning import store
+from appliance.tuning.budget import Budget, budget_from_log, estimate_budget, settings_from_log
+from appliance.tuning.calculator import Launch, resolve_ssm_dtype
+from appliance.tuning.geometry import Geometry, load_geometry
+from appliance.tuning.profiles import LengthDistribution, Profile
+from appliance.tuning.recommend import Capacity, CurvePoint, Recommendation, curve, recommend
+
+if TYPE_CHECKING:
+    from appliance.engine.supervisor import Supervisor
+    from appliance.weights.service import WeightsService
+
+DEFAULT_PROFILE = "balanced"
+B300_BYTES = 288 * 10**9  # an estimate's GPU size when NVML cannot say (the box's B300s)
+LOG_TAIL = 8 << 20  # the last startup is in the log's last few MiB
+
+
+@dataclass(frozen=True)
+class TuningView:
+    """Everything the Tuning page and `GET /api/v1/tuning/` show for one profile."""
+
+    profile: Profile
+    budget: Budget
+    geometry_summary: str
+    launch: Launch
+    current_ratio: float
+    current: Capacity
+    recommendation: Recommendation
+    curve: list[CurvePoint]
+    choice: store.Choice | None
+    restart_needed: bool
+    restart_cost: str
+    problems: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "profile": self.profile.to_dict(), "budget": self.budget.to_dict(),
+            "geometry": self.geometry_summary, "current_ratio": self.current_ratio,
+            "current": self.current.to_dict(),
+            "recommendation": self.recommendation.to_dict(),
+            "curve": [p.to_dict() for p in self.curve],
+            "choice": self.choice.to_dict() if self.choice else None,
+            "restart_needed": self.restart_needed, "restart_cost": self.restart_cost,
+            "problems": list(self.problems),
+        }
+
+
+class TuningService:
+    """See the module docstring. Cheap to build; reads happen per call."""
+
+    def __init__(self, config: Config, db: Database, clock: Clock, gpus: GpuPort,
+                 supervisor: Supervisor, weights: WeightsService) -> None:
+        self.config = config
+        self.db = db
+        self.clock = clock
+        self.gpus = gpus
+        self.supervisor = supervisor
+        self.weights = weights
+
+    async def start_service(self) -> None:
+        """Give the supervisor the applied choice's flags before it builds any spec."""
+        choice = await self.db.run(store.get_choice)
+        self.supervisor.tuning_args = tuning_args(choice)
+
+    # --- reads --------------------------------------------------------------------------------
+
+    async def geometry(self) -> Geometry:
+        path = model_dir(self.config.paths.models_dir, self.config.engine.model) / "config.json"
+        return await asyncio.to_thread(load_geometry, path)
+
+    def launch(self, geometry: Geometry, spec: LaunchSpec | None = None) -> Launch:
+        """The sizing inputs of the spec the engine would be launched with now."""
+        spec = spec or self.supervisor.current_spec()
+        return launch_from_spec(spec, geometry, self.config)
+
+    async def budget(self, launch: Launch) -> Budget:
+        log_path = self.supervisor.log_path
+        text = await asyncio.to_thread(_last_startup, log_path)
+        if text:
+            measured = budget_from_log(text, source=f"the engine's last startup ({log_path})")
+            if measured is not None:
+                return measured
+        snapshot = await asyncio.to_thread(snapshot_with_timeout, self.gpus, 5.0)
+        totals = [g.memory_total_bytes for g in snapshot.gpus if g.memory_total_bytes]
+        gpu_total = min(totals) if totals else B300_BYTES
+        weights = await self.weights.status()
+        per_rank = (weights.total_bytes or 1_560 * 10**9) // max(launch.tp, 1)
+        return estimate_budget(gpu_total, per_rank, launch.mem_fraction_static)
+
+    async def profiles(self) -> list[Profile]:
+        return await self.db.run(store.list_profiles)
+
+    async def view(self, profile: str | None = None) -> TuningView:
+        choice = await self.db.run(store.get_choice)
+        name = profile or (choice.profile if choice else DEFAULT_PROFILE)
+        chosen = await self.db.run(lambda s: store.find_profile(s, name))
+        geometry = await self.geometry()
+        spec = self.supervisor.current_spec()
+        launch = self.launch(geometry, spec)
+        budget = await self.budget(launch)
+        current_ratio = _ratio_of(spec, self.config.engine.mamba_full_memory_ratio)
+        rec = await asyncio.to_thread(
+            lambda: recommend(geometry, launch, budget.bytes, chosen.lengths,
+                              target_concurrency=chosen.target_concurrency,
+                              current_ratio=current_ratio))
+        points = await asyncio.to_thread(
+            lambda: curve(geometry, launch, budget.bytes, chosen.lengths, _chart_ratios()))
+        problems = [] if budget.measured else [
+            "no engine startup has been measured on this box yet: the budget is an estimate "
+            "(start the engine once and these figures come from its own log)"]
+        return TuningView(
+            profile=chosen, budget=budget, geometry_summary=describe_geometry(geometry),
+            launch=launch, current_ratio=current_ratio, current=rec.current,
+            recommendation=rec, curve=points, choice=choice,
+            restart_needed=_restart_needed(choice, self.supervisor.running_spec_hash, spec),
+            restart_cost=self.supervisor.start_cost(), problems=tuple(problems))
+
+    # --- writes -------------------------------------------------------------------------------
+
+    async def save_profile(self, *, name: str, title: str, description: str,
+                           lengths: LengthDistribution, target_concurrency: int, actor: str,
+                           create: bool) -> Profile:
+        now = self.clock.now()
+        if create:
+            stored = await self.db.run(lambda s: store.create_profile(
+                s, name=name, title=title, description=description, lengths=lengths,
+                target_concurrency=target_concurrency, at=now, by=actor))
+        else:
+            stored = await self.db.run(lambda s: store.update_profile(
+                s, name, at=now, by=actor, title=title, description=description,
+                lengths=lengths, target_concurrency=target_concurrency))
+        return stored.profile
+
+    async def delete_profile(self, name: str, *, actor: str) -> None:
+        await self.db.run(lambda s: store.delete_profile(s, name))
+
+    async def apply(self, *, profile: str, ratio: float, pin: int | None,
+                    actor: str) -> store.Choice:
+        """Record the split and give the supervisor its flags; the next start uses them."""
+        now = self.clock.now()
+        choice = await self.db.run(lambda s: store.set_choice(
+            s, profile=profile, ratio=ratio, pin=pin, at=now, by=actor))
+        self.supervisor.tuning_args = tuning_args(choice)
+        spec_hash = self.supervisor.current_spec().spec_hash
+        await self.db.run(lambda s: store.record_spec_hash(s, spec_hash))
+        return await self.db.run(store.get_choice) or choice
+
+
+# --- pure helpers -----------------------------------------------------------------------------
+
+
+def tuning_args(choice: store.Choice | None) -> tuple[tuple[str, str | None], ...]:
+    """The launch spec's tuning layer for an applied choice (empty: the configuration's)."""
+    if choice is None:
+        return ()
+    args: list[tuple[str, str | None]] = [("--mamba-full-memory-ratio", repr(choice.ratio))]
+    if choice.pin is not None:
+        args.append(("--max-mamba-cache-size", str(choice.pin)))
+    return tuple(args)
+
+
+def launch_from_spec(spec: LaunchSpec, geometry: Geometry, config: Config) -> Launch:
+    """The `Launch` a spec describes, read the way SGLang's `server_args` would print it."""
+    values = []
+    for arg in spec.args:
+        key = arg.flag.lstrip("-").replace("-", "_")
+        values.append(f"{key}=True" if arg.value is None else f"{key}={arg.value!r}")
+    settings = settings_from_log(f"server_args=ServerArgs({', '.join(values)})")
+    engine = config.engine
+    replayssm = bool(settings.get("replayssm", False))
+    return Launch(
+        tp=settings.get("tp", engine.tp_size), dcp=settings.get("dcp", engine.dcp_size),
+        kv_dtype=settings.get("kv_dtype", engine.kv_cache_dtype),
+        ssm_dtype=resolve_ssm_dtype(geometry, settings.get("ssm_dtype"), replayssm=replayssm),
+        speculative=settings.get("speculative", "dspark" if engine.speculative else "none"),
+        replayssm=replayssm,
+        page_size=settings.get("page_size", 64),
+        mem_fraction_static=settings.get("mem_fraction_static", engine.mem_fraction_static),
+        max_running_requests=settings.get("max_running_requests"),
+        max_mamba_cache_size=settings.get("max_mamba_cache_size"),
+        radix_cache=settings.get("radix_cache", True),
+        context_length=settings.get("context_length"))
+
+
+def describe_geometry(geometry: Geometry) -> str:
+    attention = (f"{geometry.full_layers} MLA layers ({geometry.kv_lora_rank}+"
+                 f"{geometry.qk_rope_head_dim} latent)" if geometry.attention == "mla" else
+                 f"{geometry.full_layers} attention layers ({geometry.kv_heads} KV heads x "
+                 f"{geometry.head_dim})")
+    return (f"{geometry.model_type}: {geometry.linear_layers} {geometry.linear_kind.upper()} "
+            f"layers ({geometry.linear_v_heads} heads x {geometry.linear_v_dim}, conv "
+            f"{geometry.conv_kernel}) + {attention}; context {geometry.context_length:,} tokens")
+
+
+def _ratio_of(spec: LaunchSpec, fallback: float) -> float:
+    for arg in spec.args:
+        if arg.flag == "--mamba-full-memory-ratio" and arg.value is not None:
+            try:
+                return float(arg.value)
+            except ValueError:
+                break
+    return fallback
+
+
+def _restart_needed(choice: store.Choice | None, running_hash: str | None,
+                    spec: LaunchSpec) -> bool:
+    """An applied choice the running engine was not started with."""
+    if choice is None or running_hash is None:
+        return False
+    return running_hash != spec.spec_hash
+
+
+def _chart_ratios(points: int = 61, low: float = 0.02, high: float = 50.0) -> Sequence[float]:
+    step = (high / low) ** (1 / (points - 1))
+    return [round(low * step**i, 4) for i in range(points)]
+
+
+def _last_startup(path: Path) -> str:
+    """The log from its last `server_args=` line on (the newest startup), or ""."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(0, 2)
+            size = handle.tell()
+            handle.seek(max(0, size - LOG_TAIL))
+            text = handle.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    start = text.rfind("server_args=")
+    if start < 0:
+        return ""
+    return text[text.rfind("\n", 0, start) + 1:]

@@ -1,0 +1,133 @@
+"""`appliance tune predict` as a real subprocess: no daemon, no database, no GPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.test_server import write_config
+
+DATA = Path(__file__).parent / "data"
+K3 = DATA / "tuning" / "kimi-k3.config.json"
+DRAFT = DATA / "tuning" / "k3-dspark-draft.config.json"
+LOG = DATA / "engine_logs" / "k3_startup.sample.log"
+
+
+@pytest.fixture
+def box(tmp_path: Path) -> Path:
+    """A configuration whose state directory has no database at all (never migrated)."""
+    return write_config(tmp_path / "box")
+
+
+def predict(box: Path, *args: str) -> tuple[int, str, str]:
+    result = run_cli("--config", str(box), "tune", "predict", *args)
+    return result.returncode, result.stdout, result.stderr
+
+
+def test_predict_from_the_sample_log_reproduces_its_numbers(box: Path) -> None:
+    """tp, dcp, KV dtype, ratio and max_running_requests come from the log's server_args."""
+    code, out, err = predict(box, "--model-config", str(K3), "--from-log", str(LOG))
+    assert code == 0, err
+    assert "state slots (max_mamba_cache_size)      332" in out
+    assert "KV rows per GPU (max_total_num_tokens)  2,708,160" in out
+    assert "max_running_requests                    64  (limited by requested)" in out
+    assert "logical KV tokens (rows x DCP 8)        21,665,280" in out
+    for line in ("conv state", "0.59"), ("ssm state", "16.83"), ("MLA KV", "34.87"):
+        assert any(line[0] in row and row.endswith(line[1]) for row in out.splitlines())
+    assert "measured from" in out
+    assert not (box.parent / "box" / "state" / "appliance.db").exists()
+
+
+def test_predict_json_has_every_figure(box: Path) -> None:
+    code, out, err = predict(box, "--model-config", str(K3), "--tp", "8", "--dcp", "8",
+                             "--budget-gib", "52.38", "--ratio", "5", "--kv-dtype", "bf16",
+                             "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    sizing = data["sizing"]
+    for key in ("max_mamba_cache_size", "mamba_slots_per_request", "max_running_requests",
+                "mla_rows_per_rank", "logical_tokens", "conv_state_gib", "ssm_state_gib",
+                "replayssm_gib", "kv_gib", "draft_kv_gib", "state_gib", "total_gib"):
+        assert key in sizing
+    assert sizing["logical_tokens"] == sizing["mla_rows_per_rank"] * 8
+    assert sizing["kv_bytes_per_row"] == 27_648
+    assert data["budget"]["measured"] is False
+    assert data["launch"]["kv_dtype"] == "bf16"
+    assert data["geometry"]["linear_layers"] == 69
+
+
+def test_predict_dspark_with_replayssm(box: Path) -> None:
+    """The golden case of test_tuning_calculator, through the command line."""
+    code, out, err = predict(box, "--model-config", str(K3), "--budget-gib", "48", "--ratio",
+                             "2", "--spec", "dspark", "--draft-config", str(DRAFT),
+                             "--replayssm", "--json")
+    assert code == 0, err
+    sizing = json.loads(out)["sizing"]
+    assert (sizing["max_mamba_cache_size"], sizing["mla_rows_per_rank"],
+            sizing["max_running_requests"], sizing["kv_bytes_per_row"]) == \
+        (446, 569_536, 48, 30_208)
+    assert json.loads(out)["launch"]["draft_tokens"] == 8  # the draft's gamma 7 + 1
+
+
+def test_predict_works_with_the_dev_profile() -> None:
+    result = run_cli("--dev", "tune", "predict", "--model-config", str(K3), "--budget-gib",
+                     "52.38", "--ratio", "0.5", "--max-running-requests", "64")
+    assert result.returncode == 0, result.stderr
+    assert "max_running_requests" in result.stdout
+
+
+def test_flags_left_out_come_from_the_configuration(box: Path) -> None:
+    text = box.read_text() + ("\n[engine]\ntp_size = 4\ndcp_size = 4\n"
+                              "mamba_full_memory_ratio = 2.5\nkv_cache_dtype = \"bf16\"\n")
+    box.write_text(text)
+    code, out, err = predict(box, "--model-config", str(K3), "--budget-gib", "50", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert (data["launch"]["tp"], data["launch"]["dcp"], data["launch"]["kv_dtype"],
+            data["sizing"]["ratio"]) == (4, 4, "bf16", 2.5)
+
+
+@pytest.mark.parametrize(("args", "exit_code", "words"), [
+    (["--model-config", "/nonexistent/config.json", "--budget-gib", "50"], 64,
+     "/nonexistent/config.json: no such file"),
+    (["--model-config", str(K3), "--budget-gib", "50", "--ratio", "0"], 64,
+     "--mamba-full-memory-ratio 0.0 is not a positive number"),
+    (["--model-config", str(K3), "--budget-gib", "50", "--ratio", "-1"], 64,
+     "is not a positive number"),
+    (["--model-config", str(K3), "--budget-gib", "50", "--tp", "7", "--dcp", "7"], 64,
+     "linear_attn_config.num_heads (96) is not divisible by --tp 7"),
+    (["--model-config", str(K3), "--budget-gib", "50", "--spec", "dspark"], 64,
+     "pass the draft's config.json (--draft-config)"),
+    (["--model-config", str(K3)], 64, "no budget: give --budget-gib or --from-log"),
+    (["--model-config", str(K3), "--budget-gib", "0"], 64, "--budget-gib 0.0 is not a positive"),
+    (["--model-config", str(K3), "--from-log", "/nonexistent.log"], 64,
+     "/nonexistent.log: cannot be read"),
+    (["--model-config", str(K3), "--budget-gib", "0.2"], 65,
+     "Not enough GPU memory for hybrid (mamba/linear-attention) state cache"),
+])
+def test_bad_inputs_are_named(box: Path, args: list[str], exit_code: int, words: str) -> None:
+    code, _, err = predict(box, *args)
+    assert code == exit_code, err
+    assert words in err
+    assert "hint:" in err
+
+
+def test_a_config_lacking_a_field_is_a_data_error(box: Path, tmp_path: Path) -> None:
+    data = json.loads(K3.read_text())
+    del data["text_config"]["linear_attn_config"]["kda_layers"]
+    broken = tmp_path / "config.json"
+    broken.write_text(json.dumps(data))
+    code, _, err = predict(box, "--model-config", str(broken), "--budget-gib", "50")
+    assert code == 65
+    assert f"{broken}: text_config.linear_attn_config.kda_layers is missing" in err
+
+
+def test_a_log_without_weight_lines_is_a_data_error(box: Path, tmp_path: Path) -> None:
+    log = tmp_path / "short.log"
+    log.write_text(LOG.read_text().split("Multi-thread loading shards")[0])
+    code, _, err = predict(box, "--model-config", str(K3), "--from-log", str(log))
+    assert code == 65
+    assert "no 'Load weight begin/end ... avail mem' lines" in err
