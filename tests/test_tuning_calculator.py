@@ -469,3 +469,20 @@ def test_estimate_budget_is_labelled_and_refuses_overfull_gpus() -> None:
     assert json.loads(json.dumps(budget.to_dict()))["measured"] is False
     with pytest.raises(BudgetError, match="Loaded weights leave no GPU memory"):
         estimate_budget(288 * GIB, 280 * GIB, 0.93)
+
+
+@pytest.mark.parametrize("ratio", [0.3, 0.5, 0.9, 2.0, 5.0])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "bf16"])
+def test_the_engine_emulator_and_the_calculator_agree(ratio: float, kv: str) -> None:
+    """Two implementations of the same split (the emulator's capacity model, written for the
+    engine issue, and this calculator) must not drift apart: the demo shows both."""
+    from appliance.testing.fake_sglang.args import parse
+    from appliance.testing.fake_sglang.memory import plan
+
+    emulated = plan(parse(["/m", "--tp-size", "8", "--dcp-size", "8", "--kv-cache-dtype", kv,
+                           "--mem-fraction-static", "0.93", "--mamba-full-memory-ratio",
+                           str(ratio), "--max-running-requests", "64"]))
+    sizing = size_pools(K3, Launch(kv_dtype=kv, max_running_requests=64), SAMPLE_BUDGET, ratio)
+    assert sizing.max_mamba_cache_size == emulated.state_slots
+    assert sizing.mla_rows_per_rank == emulated.kv_tokens
+    assert sizing.max_running_requests == emulated.max_running_requests

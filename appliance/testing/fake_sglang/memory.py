@@ -9,7 +9,9 @@ many ranks (processes, pretend GPUs) there are. From there the split follows
 `kv_cache_configurator.py` (shared/reference/sglang-0.5.23.md, section 1), all "GB" GiB:
 
     slack  = 266.93 * (1 - mem_fraction_static)            (auto: 0.93)
-    rest   = 71.07 - slack                                  (the pools' budget)
+    rest   = 71.07 - slack - 100 MiB                        (the pools' budget; the 100 MiB is
+                                                             the multimodal reservation K3 gets
+                                                             for its vision tower)
     B      = rest * r / (1 + r)                             (r = --mamba-full-memory-ratio, 0.9)
     K      = int((B - per_slot) // per_slot)                (state slots; or --max-mamba-cache-size)
     state  = (K + 1) * per_slot                             (+1: the pool's padding slot)
@@ -24,9 +26,8 @@ cell is MLA's 576 x 24 layers x element size: 13,824 B in fp8 (the sample's 34.8
 2,708,160 tokens), 27,648 B in bf16 (`auto`), 6,912 B in fp4. slots_per_request is 5 for the
 `auto`/`extra_buffer` radix strategy, 4 for `extra_buffer_lazy`, 3 for `no_buffer`. So a
 higher ratio gives more state slots (and concurrency) and fewer KV tokens. With the sample's
-flags this gives its 332 slots and max_running_requests 64; the KV row count comes out 0.3%
-above the sample's (the sample was assembled from format strings, not captured), because
-this model follows the documented formula exactly. Not modelled: the DSPARK joint solve and
+flags this gives its 332 slots, 2,708,160 KV rows and max_running_requests 64, as the
+appliance's own calculator (appliance/tuning) does. Not modelled: the DSPARK joint solve and
 draft pools, hierarchical cache, DP attention. Also honoured: --max-total-tokens (caps the
 rows), --max-prefill-tokens, --cuda-graph-bs-decode and --disable-cuda-graph (what is
 captured, and so the graph memory), --context-length (else config.json's
@@ -49,6 +50,7 @@ CONV_BYTES_PER_SLOT = 1_907_712  # 69 KDA layers x 3 x 4608 x bf16
 SSM_BYTES_PER_SLOT_FP32 = 54_263_808  # 69 KDA layers x 12 x 128 x 128 x fp32
 REPLAYSSM_RING_BYTES_PER_SLOT = 20_401_920  # --linear-replayssm-cache-len 16
 MLA_CELL_ELEMENTS = 576 * 24  # (kv_lora_rank + qk_rope_head_dim) x full-attention layers
+MM_RESERVATION_GB = 100 / 1024  # SGLANG_VLM_CACHE_SIZE_MB: K3 is multimodal to SGLang
 DEFAULT_CONTEXT_LEN = 1_048_576  # K3's max_position_embeddings
 CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 384, 512)
 KV_DTYPES: dict[str, tuple[float, str]] = {  # --kv-cache-dtype -> (bytes per element, torch dtype)
@@ -149,7 +151,8 @@ def plan(args: ServeArgs, model_context_len: int | None = None) -> Capacity:
     leave nothing for the KV cache or the state cache."""
     mfs = args.mem_fraction_static
     ratio = args.mamba_full_memory_ratio
-    rest_gb = PRE_LOAD_AVAIL_GB - WEIGHTS_GB - PRE_LOAD_AVAIL_GB * (1 - mfs)
+    rest_gb = (PRE_LOAD_AVAIL_GB - WEIGHTS_GB - PRE_LOAD_AVAIL_GB * (1 - mfs)
+               - MM_RESERVATION_GB)
     if rest_gb <= 0:
         raise CapacityError(
             f"Loaded weights leave no GPU memory for the KV cache under "
