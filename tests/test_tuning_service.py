@@ -98,3 +98,24 @@ def test_bad_choices_and_a_missing_model_say_what_to_do(config: Config, db: Data
         assert runtime.supervisor.tuning_args == ()
 
     asyncio.run(scenario())
+
+
+def test_the_observed_workload_comes_from_the_engines_own_log(config: Config,
+                                                              db: Database) -> None:
+    """Decode lines since the last start become the observed workload and its advice."""
+    from tests.test_tuning_observed import _decode, _startup
+
+    runtime = box(config, db)
+    head, capacity, slots, _ = _startup(5.0)
+    lines = [head] + [_decode(f"10:{10 + i}:00", 50, int(capacity * 0.95), capacity, 150,
+                              slots, queued=4) for i in range(20)]
+    runtime.supervisor.log_path.parent.mkdir(parents=True, exist_ok=True)
+    runtime.supervisor.log_path.write_text("\n".join(lines) + "\n")
+
+    async def scenario() -> None:
+        view = await runtime.tuning.view("coding-agent")
+        assert view.observed is not None
+        assert view.observed.summary.startswith("the KV pool saturated first in 20 of 20")
+        assert view.to_dict()["observed"]["observed"]["samples"] == 20
+
+    asyncio.run(scenario())

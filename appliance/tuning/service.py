@@ -22,11 +22,13 @@ from appliance.clock import Clock
 from appliance.config import Config
 from appliance.db.database import Database
 from appliance.engine.args import LaunchSpec, model_dir
+from appliance.errors import ApplianceError
 from appliance.gpu.port import GpuPort, snapshot_with_timeout
 from appliance.tuning import store
 from appliance.tuning.budget import Budget, budget_from_log, estimate_budget, settings_from_log
 from appliance.tuning.calculator import Launch, resolve_ssm_dtype
 from appliance.tuning.geometry import Geometry, load_geometry
+from appliance.tuning.observed import Advice, advise, observe
 from appliance.tuning.profiles import LengthDistribution, Profile
 from appliance.tuning.recommend import Capacity, CurvePoint, Recommendation, curve, recommend
 
@@ -55,6 +57,7 @@ class TuningView:
     restart_needed: bool
     restart_cost: str
     problems: tuple[str, ...] = field(default=())
+    observed: Advice | None = None  # from the engine's log since its last start, if busy
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -66,6 +69,7 @@ class TuningView:
             "choice": self.choice.to_dict() if self.choice else None,
             "restart_needed": self.restart_needed, "restart_cost": self.restart_cost,
             "problems": list(self.problems),
+            "observed": self.observed.to_dict() if self.observed else None,
         }
 
 
@@ -129,6 +133,7 @@ class TuningService:
                               current_ratio=current_ratio))
         points = await asyncio.to_thread(
             lambda: curve(geometry, launch, budget.bytes, chosen.lengths, _chart_ratios()))
+        observed = await self.observed(geometry, launch, budget, current_ratio)
         problems = [] if budget.measured else [
             "no engine startup has been measured on this box yet: the budget is an estimate "
             "(start the engine once and these figures come from its own log)"]
@@ -137,7 +142,25 @@ class TuningService:
             launch=launch, current_ratio=current_ratio, current=rec.current,
             recommendation=rec, curve=points, choice=choice,
             restart_needed=_restart_needed(choice, self.supervisor.running_spec_hash, spec),
-            restart_cost=self.supervisor.start_cost(), problems=tuple(problems))
+            restart_cost=self.supervisor.start_cost(), problems=tuple(problems),
+            observed=observed)
+
+    async def observed(self, geometry: Geometry, launch: Launch, budget: Budget,
+                       current_ratio: float) -> Advice | None:
+        """The workload this box really got since the engine's last start (its `Decode
+        batch` lines), and what it advises; None before any busy decode was logged. The
+        gateway's per-request records join here once the gateway records them."""
+        text = await asyncio.to_thread(_last_startup, self.supervisor.log_path)
+        if not text or "Decode batch" not in text:
+            return None
+        try:
+            workload = await asyncio.to_thread(observe, log_text=text)
+            if workload.samples == 0:
+                return None
+            return await asyncio.to_thread(advise, workload, geometry, launch, budget.bytes,
+                                           current_ratio)
+        except ApplianceError:
+            return None
 
     # --- writes -------------------------------------------------------------------------------
 
