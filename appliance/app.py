@@ -30,6 +30,7 @@ from litestar.template import TemplateConfig
 from appliance import __version__
 from appliance.api.engine import engine_router
 from appliance.api.routes import api_router
+from appliance.api.tuning import tuning_router
 from appliance.api.weights import weights_router
 from appliance.auth.middleware import CSRF_COOKIE, PUBLIC_PATHS, AdminAuthMiddleware
 from appliance.engine.schedule import restore_scheduled
@@ -143,6 +144,7 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
             api_router(),
             engine_router(),
             weights_router(),
+            tuning_router(),
             create_static_files_router(path="/static", directories=[static_dir()],
                                        include_in_schema=False),
         ],
@@ -179,6 +181,7 @@ async def _start(runtime: Runtime) -> None:
     schedule_housekeeping(runtime)
     if not runtime.scheduler.running:
         runtime.scheduler.start()
+    await runtime.tuning.start_service()  # the applied split, before any launch spec
     await runtime.supervisor.start_service()
     await runtime.weights.start_service()
     await restore_scheduled(runtime)

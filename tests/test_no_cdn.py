@@ -24,7 +24,7 @@ def test_vendored_htmx_is_served_locally(server: LiveServer) -> None:
 
 
 def test_rendered_pages_and_schema_stay_local(logged_in: Console) -> None:
-    for path in ("/login", "/", "/audit", "/events", "/settings", "/engine", "/weights",
+    for path in ("/login", "/", "/audit", "/events", "/settings", "/engine", "/weights", "/tuning",
                  "/api/v1/schema/openapi.json"):
         response = logged_in.http.get(path)
         assert response.status_code == 200, path

@@ -90,11 +90,17 @@ def test_bad_choices_and_a_missing_model_say_what_to_do(config: Config, db: Data
     async def scenario() -> None:
         with pytest.raises(GeometryError, match=r"config\.json"):
             await runtime.tuning.view()
+        with pytest.raises(GeometryError, match=r"config\.json"):  # cannot size: not recorded
+            await runtime.tuning.apply(profile="chat", ratio=1.0, pin=None, actor="ops")
+        write_checkpoint(config.paths.models_dir / "moonshotai--Kimi-K3", shards=1,
+                         shard_bytes=1024)
         with pytest.raises(ApplianceError, match="ratio"):
             await runtime.tuning.apply(profile="chat", ratio=-1.0, pin=None, actor="ops")
         with pytest.raises(ApplianceError, match="no-such-profile"):
             await runtime.tuning.apply(profile="no-such-profile", ratio=1.0, pin=None,
                                        actor="ops")
+        with pytest.raises(ApplianceError, match="leave no GPU memory for the KV cache"):
+            await runtime.tuning.apply(profile="chat", ratio=1.0, pin=99_999_999, actor="ops")
         assert runtime.supervisor.tuning_args == ()
 
     asyncio.run(scenario())

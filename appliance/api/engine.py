@@ -63,6 +63,8 @@ async def run_action(runtime: Runtime, command: Command, confirm: bool, actor: s
                 "scheduled": scheduled_dict(scheduled)}
     future = runtime.supervisor.submit(command, actor)
     refused = future.exception() if future.done() else None
+    # A later failure (a preflight refusal, say) is an event and the status; mark it seen.
+    future.add_done_callback(lambda f: None if f.cancelled() else f.exception())
     await audit(runtime, actor=actor, address=address, action=f"engine.{command.value}",
                 target=runtime.config.engine.served_model_name,
                 outcome="denied" if refused else "ok",

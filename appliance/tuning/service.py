@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,7 @@ from appliance.errors import ApplianceError
 from appliance.gpu.port import GpuPort, snapshot_with_timeout
 from appliance.tuning import store
 from appliance.tuning.budget import Budget, budget_from_log, estimate_budget, settings_from_log
-from appliance.tuning.calculator import Launch, resolve_ssm_dtype
+from appliance.tuning.calculator import Launch, resolve_ssm_dtype, size_pools
 from appliance.tuning.geometry import Geometry, load_geometry
 from appliance.tuning.observed import Advice, advise, observe
 from appliance.tuning.profiles import LengthDistribution, Profile
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from appliance.weights.service import WeightsService
 
 DEFAULT_PROFILE = "balanced"
+K3_WEIGHT_BYTES = 1_560 * 10**9  # assumed before a manifest says how big the weights are
 B300_BYTES = 288 * 10**9  # an estimate's GPU size when NVML cannot say (the box's B300s)
 LOG_TAIL = 8 << 20  # the last startup is in the log's last few MiB
 
@@ -112,8 +113,12 @@ class TuningService:
         totals = [g.memory_total_bytes for g in snapshot.gpus if g.memory_total_bytes]
         gpu_total = min(totals) if totals else B300_BYTES
         weights = await self.weights.status()
-        per_rank = (weights.total_bytes or 1_560 * 10**9) // max(launch.tp, 1)
-        return estimate_budget(gpu_total, per_rank, launch.mem_fraction_static)
+        per_rank = (weights.total_bytes or K3_WEIGHT_BYTES) // max(launch.tp, 1)
+        budget = estimate_budget(gpu_total, per_rank, launch.mem_fraction_static)
+        if not weights.total_bytes:
+            budget = replace(budget, detail=budget.detail + "; no weights manifest is "
+                             "recorded yet, so K3's 1.56 TB is assumed")
+        return budget
 
     async def profiles(self) -> list[Profile]:
         return await self.db.run(store.list_profiles)
@@ -153,12 +158,14 @@ class TuningService:
         text = await asyncio.to_thread(_last_startup, self.supervisor.log_path)
         if not text or "Decode batch" not in text:
             return None
+        # Compare with the split the logged run really had, not the one a start would use.
+        ran_with = settings_from_log(text).get("ratio", current_ratio)
         try:
             workload = await asyncio.to_thread(observe, log_text=text)
             if workload.samples == 0:
                 return None
             return await asyncio.to_thread(advise, workload, geometry, launch, budget.bytes,
-                                           current_ratio)
+                                           float(ran_with))
         except ApplianceError:
             return None
 
@@ -184,6 +191,11 @@ class TuningService:
     async def apply(self, *, profile: str, ratio: float, pin: int | None,
                     actor: str) -> store.Choice:
         """Record the split and give the supervisor its flags; the next start uses them."""
+        geometry = await self.geometry()
+        launch = replace(self.launch(geometry), max_mamba_cache_size=pin)
+        budget = await self.budget(launch)
+        # A split SGLang would refuse (no state slot, or nothing left for KV) is never recorded.
+        await asyncio.to_thread(size_pools, geometry, launch, budget.bytes, ratio)
         now = self.clock.now()
         choice = await self.db.run(lambda s: store.set_choice(
             s, profile=profile, ratio=ratio, pin=pin, at=now, by=actor))
@@ -212,7 +224,9 @@ def launch_from_spec(spec: LaunchSpec, geometry: Geometry, config: Config) -> La
     for arg in spec.args:
         key = arg.flag.lstrip("-").replace("-", "_")
         values.append(f"{key}=True" if arg.value is None else f"{key}={arg.value!r}")
-    settings = settings_from_log(f"server_args=ServerArgs({', '.join(values)})")
+    # The log parser reads stamped records only, as SGLang writes them.
+    settings = settings_from_log(
+        f"[1970-01-01 00:00:00] server_args=ServerArgs({', '.join(values)})")
     engine = config.engine
     replayssm = bool(settings.get("replayssm", False))
     return Launch(

@@ -21,6 +21,17 @@ from appliance.ui.pages import (
     revoke_token_ui,
     settings_page,
 )
+from appliance.ui.tuning import (
+    tuning_apply_ui,
+    tuning_editor,
+    tuning_page,
+    tuning_panel,
+    tuning_profile_create_ui,
+    tuning_profile_delete_form,
+    tuning_profile_delete_ui,
+    tuning_profile_update_form,
+    tuning_profile_update_ui,
+)
 from appliance.ui.weights import (
     weights_cancel_ui,
     weights_import_ui,
@@ -40,4 +51,7 @@ def ui_handlers() -> list[BaseRouteHandler]:
         engine_schedule_ui, engine_schedule_cancel_ui,
         weights_page, weights_status_partial, weights_pull_ui, weights_verify_quick_ui,
         weights_verify_full_ui, weights_import_ui, weights_cancel_ui,
+        tuning_page, tuning_panel, tuning_editor, tuning_apply_ui, tuning_profile_create_ui,
+        tuning_profile_update_ui, tuning_profile_update_form, tuning_profile_delete_ui,
+        tuning_profile_delete_form,
     ]
