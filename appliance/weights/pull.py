@@ -76,7 +76,7 @@ async def _resolve(service: WeightsService, client: httpx.AsyncClient, source: H
     failures = 0
     while True:
         service._set_activity(Activity.RESOLVING, f"reading the file list of {repo}@{revision} "
-                           f"from {source.endpoint}")
+                              f"from {source.endpoint}")
         try:
             return await source.manifest(client, repo, revision)
         except SourceError as exc:
@@ -85,9 +85,9 @@ async def _resolve(service: WeightsService, client: httpx.AsyncClient, source: H
             failures += 1
             delay = policy.backoff(failures)
             service._set_activity(Activity.RESOLVING, f"retrying in {delay:.0f} s: "
-                               f"{exc.message}", exc.hint)
+                                  f"{exc.message}", exc.hint)
             await service._event("warning", f"weights manifest: {exc.message}; retry "
-                              f"{failures} in {delay:.0f} s")
+                                 f"{failures} in {delay:.0f} s")
             await asyncio.sleep(delay)
 
 
@@ -102,8 +102,8 @@ async def adopt_manifest(service: WeightsService, manifest: Manifest,
 
     record = await service.db.run(store)
     await service._event("info", f"weights manifest of {manifest.repo_id}@"
-                      f"{manifest.commit[:12]}: {len(manifest.files)} files, "
-                      f"{manifest.total_bytes / 1e9:.2f} GB")
+                         f"{manifest.commit[:12]}: {len(manifest.files)} files, "
+                         f"{manifest.total_bytes / 1e9:.2f} GB")
     return record
 
 
@@ -116,8 +116,9 @@ async def _download_all(service: WeightsService, source: HubSource,
             break
         if not await _space_ok(service, manifest, target_dir):
             continue
-        service._set_activity(Activity.DOWNLOADING, f"downloading {len(pending)} files of "
-                           f"{manifest.repo_id}@{manifest.commit[:12]} from {source.endpoint}")
+        service._set_activity(
+            Activity.DOWNLOADING, f"downloading {len(pending)} files of "
+            f"{manifest.repo_id}@{manifest.commit[:12]} from {source.endpoint}")
         try:
             await _transfers(service, source, record, manifest, pending, target_dir)
         except DiskFull as exc:
@@ -180,7 +181,7 @@ async def _space_ok(service: WeightsService, manifest: Manifest, target_dir: Pat
     if service._activity != Activity.PAUSED:
         await service._event("error", f"weights pull paused: {problem}")
     service._set_activity(Activity.PAUSED, problem, "free space on the models volume (or "
-                       "lower weights.reserve_gib); the pull resumes by itself")
+                          "lower weights.reserve_gib); the pull resumes by itself")
     await asyncio.sleep(service.space_recheck_seconds)
     return False
 
@@ -207,12 +208,14 @@ async def complete(service: WeightsService, record: records.SetRecord, manifest:
                                  f"{p.path}: {p.message}" for p in report.problems[:3]),
                              "the source publishes a broken checkpoint; report it upstream")
     await service._finish_job(message=f"{manifest.repo_id}@{manifest.commit[:12]}: all "
-                           f"{len(manifest.files)} files verified "
-                           f"({manifest.total_bytes / 1e9:.2f} GB)")
+                              f"{len(manifest.files)} files verified "
+                              f"({manifest.total_bytes / 1e9:.2f} GB)")
     if service.on_ready is not None:
         await service.on_ready()
 
-# --- reconcile what is on disk with the records ---------------------------------------
+
+# --- reconcile what is on disk with the records ------------------------------------------------
+
 
 async def _reconcile(service: WeightsService, record: records.SetRecord, manifest: Manifest,
                      target_dir: Path) -> list[str]:
@@ -224,8 +227,8 @@ async def _reconcile(service: WeightsService, record: records.SetRecord, manifes
     files = await service.db.run(lambda s: records.set_files(s, record.id))
     service._live_set = record.id
     service._live = {f.path: LiveFile(size=f.size, state=f.state, bytes_done=f.bytes_done,
-                                   attempts=f.attempts, last_error=f.last_error)
-                  for f in files}
+                                      attempts=f.attempts, last_error=f.last_error)
+                     for f in files}
     service._set_activity(Activity.VERIFYING, "checking the files already on disk")
     results = await adopt_in_place(service, record.id, files, target_dir)
     return [f.path for f in files if not results.get(f.path)]
