@@ -192,7 +192,7 @@ async def _local_main(args: argparse.Namespace, service: Any) -> int:
 async def _watch_local(service: Any, quiet: bool) -> None:
     bar = ProgressBar(enabled=not quiet)
     task = asyncio.ensure_future(service.wait_idle())
-    persist = asyncio.ensure_future(service._persist_loop())
+    persist = asyncio.ensure_future(service.persist_loop())
     try:
         while not task.done():
             bar.show((await service.status()).to_dict())

@@ -129,7 +129,7 @@ async def _hash_and_record(service: WeightsService, set_id: int, target_dir: Pat
             live.state, live.bytes_done, live.last_error, live.dirty = (
                 FileState.FAILED.value, 0, error, True)
         await service.db.run(_mark_failed(set_id, result.path, error))
-        await service._event("error", f"weights verification: {error}")
+        await service.record_event("error", f"weights verification: {error}")
     return {r.path: r for r in results}
 
 
@@ -202,9 +202,9 @@ async def run_full_verify(service: WeightsService, *, rehash: bool) -> None:
     total = sum(f.size for f in todo)
     keep_cached = service.config.weights.prewarm and should_prewarm(
         record.total_bytes, psutil.virtual_memory().total)
-    service._set_activity(Activity.VERIFYING, f"hashing {len(todo)} of {len(files)} files "
-                          f"({total / 1e9:.2f} GB; {len(files) - len(todo)} unchanged since "
-                          "they were proven)" + (", warming the page cache" if keep_cached
+    service.set_activity(Activity.VERIFYING, f"hashing {len(todo)} of {len(files)} files "
+                         f"({total / 1e9:.2f} GB; {len(files) - len(todo)} unchanged since "
+                         "they were proven)" + (", warming the page cache" if keep_cached
                                                  else ""))
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -217,8 +217,8 @@ async def run_full_verify(service: WeightsService, *, rehash: bool) -> None:
         now = service.clock.now()
         await service.db.run(lambda s: records.set_full_verified(s, set_id, None))
         endpoint = _endpoint_of(record)
-        await service._finish_job(failed=f"{len(bad)} file(s) do not match the manifest: "
-                                  f"{', '.join(bad[:5])}", hint=(
+        await service.finish_job(failed=f"{len(bad)} file(s) do not match the manifest: "
+                                 f"{', '.join(bad[:5])}", hint=(
                                       "a pull now fetches only those files" if endpoint else
                                       "copy those files again and import, or pull them"))
         if endpoint:
@@ -226,7 +226,7 @@ async def run_full_verify(service: WeightsService, *, rehash: bool) -> None:
                 s, at=now, by="verification", job="pull",
                 job_args={"repo": record.repo_id, "revision": record.commit,
                           "endpoint": endpoint}))
-            service._launch("pull", {"repo": record.repo_id, "revision": record.commit,
+            service.launch_job("pull", {"repo": record.repo_id, "revision": record.commit,
                                      "endpoint": endpoint})
         return
     now = service.clock.now()
@@ -234,8 +234,8 @@ async def run_full_verify(service: WeightsService, *, rehash: bool) -> None:
     if keep_cached and len(todo) == len(files):
         service.note_warm()
     await service.quick_verify()
-    await service._finish_job(message=f"all {len(files)} files match the manifest "
-                              f"({len(todo)} hashed at {speed})")
+    await service.finish_job(message=f"all {len(files)} files match the manifest "
+                             f"({len(todo)} hashed at {speed})")
     if service.on_ready is not None:
         await service.on_ready()
 
@@ -275,7 +275,7 @@ async def run_import(service: WeightsService, directory: Path,
     service._live_set = record.id
     service._live = {f.path: LiveFile(size=f.size, state=f.state, bytes_done=0)
                      for f in files}
-    service._set_activity(Activity.IMPORTING, f"importing {len(files)} files from {directory}")
+    service.set_activity(Activity.IMPORTING, f"importing {len(files)} files from {directory}")
     root = _snapshot_root(directory, manifest.commit)
     missing: list[str] = []
     for f in files:
@@ -295,11 +295,11 @@ async def run_import(service: WeightsService, directory: Path,
             if live.state != FileState.FAILED:
                 live.state, live.dirty = FileState.MISSING.value, True
     if missing:
-        await service._finish_job(failed=f"{len(missing)} of {len(files)} files are missing "
-                                  f"or damaged in {directory}: {', '.join(missing[:5])}",
-                                  hint="copy them again and re-run the import (the files "
-                                  "already proven are kept), or `appliance weights pull` "
-                                  "fetches only those")
+        await service.finish_job(failed=f"{len(missing)} of {len(files)} files are missing "
+                                 f"or damaged in {directory}: {', '.join(missing[:5])}",
+                                 hint="copy them again and re-run the import (the files "
+                                 "already proven are kept), or `appliance weights pull` "
+                                 "fetches only those")
         return
     await complete(service, record, manifest)
 

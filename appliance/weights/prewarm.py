@@ -67,5 +67,5 @@ async def prewarm_for_launch(service: WeightsService, report: Callable[[str], No
     rate = result.bytes_read / max(result.seconds, 1e-6)
     message = (f"page cache warmed before the launch: {result.bytes_read / 1e9:.2f} GB in "
                f"{result.seconds:.1f} s ({rate / 1e9:.2f} GB/s)")
-    await service._event("info", message)
+    await service.record_event("info", message)
     return message

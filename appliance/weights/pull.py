@@ -75,8 +75,8 @@ async def _resolve(service: WeightsService, client: httpx.AsyncClient, source: H
     policy = TransferPolicy.from_config(service.config.weights)
     failures = 0
     while True:
-        service._set_activity(Activity.RESOLVING, f"reading the file list of {repo}@{revision} "
-                              f"from {source.endpoint}")
+        service.set_activity(Activity.RESOLVING, f"reading the file list of {repo}@{revision} "
+                             f"from {source.endpoint}")
         try:
             return await source.manifest(client, repo, revision)
         except SourceError as exc:
@@ -84,10 +84,10 @@ async def _resolve(service: WeightsService, client: httpx.AsyncClient, source: H
                 raise
             failures += 1
             delay = policy.backoff(failures)
-            service._set_activity(Activity.RESOLVING, f"retrying in {delay:.0f} s: "
-                                  f"{exc.message}", exc.hint)
-            await service._event("warning", f"weights manifest: {exc.message}; retry "
-                                 f"{failures} in {delay:.0f} s")
+            service.set_activity(Activity.RESOLVING, f"retrying in {delay:.0f} s: "
+                                 f"{exc.message}", exc.hint)
+            await service.record_event("warning", f"weights manifest: {exc.message}; retry "
+                                       f"{failures} in {delay:.0f} s")
             await asyncio.sleep(delay)
 
 
@@ -101,9 +101,9 @@ async def adopt_manifest(service: WeightsService, manifest: Manifest,
         return record
 
     record = await service.db.run(store)
-    await service._event("info", f"weights manifest of {manifest.repo_id}@"
-                         f"{manifest.commit[:12]}: {len(manifest.files)} files, "
-                         f"{manifest.total_bytes / 1e9:.2f} GB")
+    await service.record_event("info", f"weights manifest of {manifest.repo_id}@"
+                               f"{manifest.commit[:12]}: {len(manifest.files)} files, "
+                               f"{manifest.total_bytes / 1e9:.2f} GB")
     return record
 
 
@@ -116,14 +116,14 @@ async def _download_all(service: WeightsService, source: HubSource,
             break
         if not await _space_ok(service, manifest, target_dir):
             continue
-        service._set_activity(
+        service.set_activity(
             Activity.DOWNLOADING, f"downloading {len(pending)} files of "
             f"{manifest.repo_id}@{manifest.commit[:12]} from {source.endpoint}")
         try:
             await _transfers(service, source, record, manifest, pending, target_dir)
         except DiskFull as exc:
-            await service._event("error", f"weights pull paused: {exc.message}")
-            service._set_activity(Activity.PAUSED, exc.message, exc.hint)
+            await service.record_event("error", f"weights pull paused: {exc.message}")
+            service.set_activity(Activity.PAUSED, exc.message, exc.hint)
             await asyncio.sleep(service.space_recheck_seconds)
     await complete(service, record, manifest)
 
@@ -149,7 +149,7 @@ async def _transfers(service: WeightsService, source: HubSource,
             except TransferFailed as exc:
                 failed.append(path)
                 listener.failed(path, exc.message)
-                await service._event("error", f"weights: {path}: {exc.message}")
+                await service.record_event("error", f"weights: {path}: {exc.message}")
 
     try:
         async with asyncio.TaskGroup() as group:  # one failure stops the others
@@ -179,9 +179,9 @@ async def _space_ok(service: WeightsService, manifest: Manifest, target_dir: Pat
                              "files) or lower weights.reserve_gib, then pull again",
                              status=507)
     if service._activity != Activity.PAUSED:
-        await service._event("error", f"weights pull paused: {problem}")
-    service._set_activity(Activity.PAUSED, problem, "free space on the models volume (or "
-                          "lower weights.reserve_gib); the pull resumes by itself")
+        await service.record_event("error", f"weights pull paused: {problem}")
+    service.set_activity(Activity.PAUSED, problem, "free space on the models volume (or "
+                         "lower weights.reserve_gib); the pull resumes by itself")
     await asyncio.sleep(service.space_recheck_seconds)
     return False
 
@@ -207,9 +207,9 @@ async def complete(service: WeightsService, record: records.SetRecord, manifest:
                              "checkpoint's structure check failed: " + "; ".join(
                                  f"{p.path}: {p.message}" for p in report.problems[:3]),
                              "the source publishes a broken checkpoint; report it upstream")
-    await service._finish_job(message=f"{manifest.repo_id}@{manifest.commit[:12]}: all "
-                              f"{len(manifest.files)} files verified "
-                              f"({manifest.total_bytes / 1e9:.2f} GB)")
+    await service.finish_job(message=f"{manifest.repo_id}@{manifest.commit[:12]}: all "
+                             f"{len(manifest.files)} files verified "
+                             f"({manifest.total_bytes / 1e9:.2f} GB)")
     if service.on_ready is not None:
         await service.on_ready()
 
@@ -229,7 +229,7 @@ async def _reconcile(service: WeightsService, record: records.SetRecord, manifes
     service._live = {f.path: LiveFile(size=f.size, state=f.state, bytes_done=f.bytes_done,
                                       attempts=f.attempts, last_error=f.last_error)
                      for f in files}
-    service._set_activity(Activity.VERIFYING, "checking the files already on disk")
+    service.set_activity(Activity.VERIFYING, "checking the files already on disk")
     results = await adopt_in_place(service, record.id, files, target_dir)
     return [f.path for f in files if not results.get(f.path)]
 
@@ -264,7 +264,7 @@ class _Listener:
         live.meter.reset()
         message = f"weights: {path}: {error}; retry {attempt} in {delay:.0f} s"
         log.warning("%s", message)
-        task = asyncio.ensure_future(self.service._event("warning", message))
+        task = asyncio.ensure_future(self.service.record_event("warning", message))
         task.add_done_callback(_ignore_result)
 
     def on_verified(self, path: str) -> None:

@@ -90,10 +90,10 @@ class WeightsService:
         if control.job:
             log.info("carrying on with the weights %s recorded by %s", control.job,
                      control.updated_by)
-            await self._event("info", f"carrying on with the weights {control.job} recorded "
+            await self.record_event("info", f"carrying on with the weights {control.job} recorded "
                                       f"by {control.updated_by} (the daemon started)")
-            self._launch(control.job, control.job_args)
-        self._persister = asyncio.create_task(self._persist_loop())
+            self.launch_job(control.job, control.job_args)
+        self._persister = asyncio.create_task(self.persist_loop())
 
     async def stop_service(self) -> None:
         """Stop work without changing the wish: the next start resumes it."""
@@ -151,9 +151,9 @@ class WeightsService:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-        self._set_activity(Activity.IDLE, f"{job or 'job'} cancelled by {actor}; partial "
-                           "files are kept and a new pull resumes them")
-        await self._event("info", f"weights {job or 'job'} cancelled by {actor}")
+        self.set_activity(Activity.IDLE, f"{job or 'job'} cancelled by {actor}; partial "
+                          "files are kept and a new pull resumes them")
+        await self.record_event("info", f"weights {job or 'job'} cancelled by {actor}")
         await self._persist()
         return await self.status()
 
@@ -265,11 +265,11 @@ class WeightsService:
         now = self.clock.now()
         await self.db.run(lambda s: records.set_control(s, at=now, by=actor, job=job,
                                                         job_args=args))
-        await self._event("info", f"weights {what} requested by {actor}")
+        await self.record_event("info", f"weights {what} requested by {actor}")
         self._fresh = True
-        self._launch(job, args)
+        self.launch_job(job, args)
 
-    def _launch(self, job: str, args: dict[str, Any]) -> None:
+    def launch_job(self, job: str, args: dict[str, Any]) -> None:
         runners = {"pull": self._run_pull, "verify": self._run_verify,
                    "import": self._run_import}
         if job not in runners:
@@ -280,7 +280,7 @@ class WeightsService:
         # "idle" for a job it just started.
         first = {"pull": Activity.RESOLVING, "verify": Activity.VERIFYING,
                  "import": Activity.IMPORTING}[job]
-        self._set_activity(first, f"starting the {job}")
+        self.set_activity(first, f"starting the {job}")
         self._task = asyncio.create_task(self._guard(job, runners[job](args)))
 
     async def _guard(self, job: str, work: Awaitable[None]) -> None:
@@ -290,27 +290,27 @@ class WeightsService:
         except asyncio.CancelledError:
             raise
         except ApplianceError as exc:
-            await self._finish_job(failed=f"{exc.message}", hint=exc.hint)
+            await self.finish_job(failed=f"{exc.message}", hint=exc.hint)
         except Exception as exc:
             log.exception("weights %s failed", job)
-            await self._finish_job(failed=f"{type(exc).__name__}: {exc}",
-                                   hint="see the daemon log; the job can be started again")
+            await self.finish_job(failed=f"{type(exc).__name__}: {exc}",
+                                  hint="see the daemon log; the job can be started again")
         finally:
             await self._persist()
 
-    async def _finish_job(self, *, failed: str | None = None, hint: str = "",
-                          message: str = "") -> None:
+    async def finish_job(self, *, failed: str | None = None, hint: str = "",
+                         message: str = "") -> None:
         now = self.clock.now()
         await self.db.run(lambda s: records.set_control(s, at=now, by="weights", job=""))
         job, self._job = self._job, ""
         if failed:
-            self._set_activity(Activity.FAILED, f"{job} failed: {failed}", hint)
-            await self._event("error", f"weights {job} failed: {failed}")
+            self.set_activity(Activity.FAILED, f"{job} failed: {failed}", hint)
+            await self.record_event("error", f"weights {job} failed: {failed}")
         else:
-            self._set_activity(Activity.IDLE, message)
-            await self._event("info", f"weights {job} finished: {message}")
+            self.set_activity(Activity.IDLE, message)
+            await self.record_event("info", f"weights {job} finished: {message}")
 
-    def _set_activity(self, activity: Activity, message: str, hint: str = "") -> None:
+    def set_activity(self, activity: Activity, message: str, hint: str = "") -> None:
         self._activity, self._message, self._hint = activity, message, hint
         if activity in (Activity.IDLE, Activity.FAILED):
             self._settle()
@@ -357,12 +357,12 @@ class WeightsService:
                                         last_error=problem.message[:500])
         records.set_full_verified(session, set_id, None)
 
-    async def _event(self, severity: str, message: str) -> None:
+    async def record_event(self, severity: str, message: str) -> None:
         at = self.clock.now()
         await self.db.run(lambda s: add_event(s, at=at, severity=severity, source="weights",
                                               message=message))
 
-    async def _persist_loop(self) -> None:
+    async def persist_loop(self) -> None:
         while True:
             await asyncio.sleep(PERSIST_SECONDS)
             try:
