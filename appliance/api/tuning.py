@@ -19,7 +19,6 @@ both doors answer the same way.
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 from dataclasses import dataclass, replace
 from typing import Any
@@ -38,7 +37,7 @@ from appliance.runtime import Runtime, runtime_of
 from appliance.tuning.calculator import CalculatorError, size_pools
 from appliance.tuning.chart import render_chart
 from appliance.tuning.profiles import LengthDistribution, Profile, make_profile
-from appliance.tuning.recommend import Capacity, capacity, curve, recommend
+from appliance.tuning.recommend import Capacity, capacity
 from appliance.tuning.service import TuningView
 from appliance.tuning.store import Choice
 
@@ -172,17 +171,7 @@ async def audit_profile(runtime: Runtime, *, actor: str, address: str, action: s
 
 async def preview_view(runtime: Runtime, draft: Profile) -> TuningView:
     """The view of an unsaved profile: this box's facts, the draft's lengths and target."""
-    base = await runtime.tuning.view(None)
-    geometry = await runtime.tuning.geometry()
-    budget = base.budget.bytes
-    rec = await asyncio.to_thread(
-        lambda: recommend(geometry, base.launch, budget, draft.lengths,
-                          target_concurrency=draft.target_concurrency,
-                          current_ratio=base.current_ratio))
-    ratios = [p.ratio for p in base.curve]
-    points = await asyncio.to_thread(
-        lambda: curve(geometry, base.launch, budget, draft.lengths, ratios))
-    return replace(base, profile=draft, recommendation=rec, current=rec.current, curve=points)
+    return await runtime.tuning.view(draft)
 
 
 async def capacity_at(runtime: Runtime, view: TuningView, ratio: float,

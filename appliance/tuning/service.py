@@ -123,10 +123,15 @@ class TuningService:
     async def profiles(self) -> list[Profile]:
         return await self.db.run(store.list_profiles)
 
-    async def view(self, profile: str | None = None) -> TuningView:
+    async def view(self, profile: str | Profile | None = None) -> TuningView:
+        """The figures for a profile: by name, an unsaved draft (a `Profile`), or None for
+        the applied choice's profile (else "balanced")."""
         choice = await self.db.run(store.get_choice)
-        name = profile or (choice.profile if choice else DEFAULT_PROFILE)
-        chosen = await self.db.run(lambda s: store.find_profile(s, name))
+        if isinstance(profile, Profile):
+            chosen = profile
+        else:
+            name = profile or (choice.profile if choice else DEFAULT_PROFILE)
+            chosen = await self.db.run(lambda s: store.find_profile(s, name))
         geometry = await self.geometry()
         spec = self.supervisor.current_spec()
         launch = self.launch(geometry, spec)
