@@ -12,6 +12,7 @@ the dashboard and the settings page are written to /tmp/appliance-shots/.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Iterator
@@ -117,6 +118,28 @@ def log_in(page: Page, username: str, password: str) -> None:
     page.get_by_label("Username").fill(username)
     page.get_by_label("Password", exact=True).fill(password)
     page.get_by_role("button", name="Log in").click()
+
+
+@contextlib.contextmanager
+def admin_on(browser: Browser, server: LiveServer, runtime: Runtime, link: str,
+             path: str) -> Iterator[Page]:
+    """Alice, logged in, on `path` reached through the nav's `link`; any uncaught JavaScript
+    error fails the test."""
+    context = browser.new_context(base_url=server.base_url,
+                                  viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(15_000)
+    tab = context.new_page()
+    errors: list[str] = []
+    tab.on("pageerror", lambda exc: errors.append(str(exc)))
+    add_admin(runtime, "alice", PASSWORD)
+    log_in(tab, "alice", PASSWORD)
+    expect(tab).to_have_url(f"{server.base_url}/")
+    tab.get_by_role("navigation", name="main").get_by_role("link", name=link).click()
+    expect(tab).to_have_url(f"{server.base_url}{path}")
+    expect(tab.get_by_role("heading", name=link, level=1)).to_be_visible()
+    yield tab
+    context.close()
+    assert not errors, f"JavaScript errors in the page: {errors}"
 
 
 def shot(page: Page, name: str) -> None:

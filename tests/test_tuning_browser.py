@@ -25,13 +25,13 @@ from appliance.clock import SystemClock
 from appliance.config import Config
 from appliance.engine.schedule import list_scheduled
 from appliance.runtime import Runtime
-from tests.conftest import PASSWORD, LiveServer, add_admin
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, _unavailable, log_in, shot
+from tests.conftest import LiveServer
+from tests.test_browser import _unavailable, admin_on, browser, shot  # noqa: F401 - browser is a fixture
 from tests.test_tuning_api import write_k3
 from tests.test_weights_ui import audit_of
 
 try:
-    from playwright.sync_api import Browser, BrowserContext, Dialog, Page, expect, sync_playwright
+    from playwright.sync_api import Browser, Dialog, Page, expect
 except ImportError:  # pragma: no cover - test_browser's import has already skipped
     _unavailable("Playwright for Python is not installed (pip install -e '.[dev]')")
 
@@ -46,13 +46,6 @@ document.body.addEventListener('htmx:afterSwap', (e) => {
 """
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
-        yield launched
-        launched.close()
 
 
 @pytest.fixture
@@ -62,25 +55,11 @@ def clock() -> SystemClock:
 
 
 @pytest.fixture
-def page(browser: Browser, config: Config, server: LiveServer, runtime: Runtime) -> Iterator[Page]:
-    """Alice, logged in, on /tuning (reached through the nav); any uncaught JavaScript error
-    fails the test."""
+def page(browser: Browser, config: Config, server: LiveServer, runtime: Runtime) -> Iterator[Page]:  # noqa: F811 - the shared fixture
+    """Alice, logged in, on /tuning (reached through the nav)."""
     write_k3(config)
-    context: BrowserContext = browser.new_context(
-        base_url=server.base_url, viewport={"width": 1280, "height": 900})
-    context.set_default_timeout(15_000)
-    tab = context.new_page()
-    errors: list[str] = []
-    tab.on("pageerror", lambda exc: errors.append(str(exc)))
-    add_admin(runtime, "alice", PASSWORD)
-    log_in(tab, "alice", PASSWORD)
-    expect(tab).to_have_url(f"{server.base_url}/")
-    tab.get_by_role("navigation", name="main").get_by_role("link", name="Tuning").click()
-    expect(tab).to_have_url(f"{server.base_url}/tuning")
-    expect(tab.get_by_role("heading", name="Tuning", level=1)).to_be_visible()
-    yield tab
-    context.close()
-    assert not errors, f"JavaScript errors in the page: {errors}"
+    with admin_on(browser, server, runtime, "Tuning", "/tuning") as tab:
+        yield tab
 
 
 def figure(page: Page, which: str) -> str:

@@ -28,11 +28,11 @@ from appliance.db.journal import list_audit
 from appliance.runtime import Runtime
 from appliance.testing.checkpoint import write_checkpoint
 from appliance.testing.fake_hub import FakeHub
-from tests.conftest import PASSWORD, LiveServer, add_admin, make_config
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, _unavailable, log_in, shot
+from tests.conftest import LiveServer, make_config
+from tests.test_browser import _unavailable, admin_on, browser, shot  # noqa: F401 - browser is a fixture
 
 try:
-    from playwright.sync_api import Browser, BrowserContext, Dialog, Page, expect, sync_playwright
+    from playwright.sync_api import Browser, Dialog, Page, expect
 except ImportError:  # pragma: no cover - test_browser's import has already skipped
     _unavailable("Playwright for Python is not installed (pip install -e '.[dev]')")
 
@@ -63,13 +63,6 @@ new MutationObserver(record).observe(document.querySelector('main'),
 """
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
-        yield launched
-        launched.close()
 
 
 @pytest.fixture
@@ -99,24 +92,10 @@ def config(tmp_path: Path, hub: FakeHub) -> Config:
 
 
 @pytest.fixture
-def page(browser: Browser, server: LiveServer, runtime: Runtime) -> Iterator[Page]:
-    """Alice, logged in, on /weights (reached through the nav); any uncaught JavaScript
-    error fails the test."""
-    context: BrowserContext = browser.new_context(
-        base_url=server.base_url, viewport={"width": 1280, "height": 900})
-    context.set_default_timeout(15_000)
-    tab = context.new_page()
-    errors: list[str] = []
-    tab.on("pageerror", lambda exc: errors.append(str(exc)))
-    add_admin(runtime, "alice", PASSWORD)
-    log_in(tab, "alice", PASSWORD)
-    expect(tab).to_have_url(f"{server.base_url}/")
-    tab.get_by_role("navigation", name="main").get_by_role("link", name="Weights").click()
-    expect(tab).to_have_url(f"{server.base_url}/weights")
-    expect(tab.get_by_role("heading", name="Weights", level=1)).to_be_visible()
-    yield tab
-    context.close()
-    assert not errors, f"JavaScript errors in the page: {errors}"
+def page(browser: Browser, server: LiveServer, runtime: Runtime) -> Iterator[Page]:  # noqa: F811 - the shared fixture
+    """Alice, logged in, on /weights (reached through the nav)."""
+    with admin_on(browser, server, runtime, "Weights", "/weights") as tab:
+        yield tab
 
 
 def audit_trail(runtime: Runtime, action: str) -> list[tuple[str, str, dict[str, object]]]:
