@@ -36,7 +36,15 @@ from typing import Any, Protocol, TypeVar
 
 from appliance.config import WeightsConfig
 from appliance.errors import ApplianceError
-from appliance.weights.fetch import DiskFullError, Plan, Refused, RetryAttempt, Throttle, fetch
+from appliance.weights.fetch import (
+    DiskFullError,
+    Plan,
+    Refused,
+    RetryAttempt,
+    Throttle,
+    fetch,
+    truncate_part,
+)
 from appliance.weights.hashing import Digest, hash_prefix
 from appliance.weights.manifest import PART_SUFFIX, ManifestFile
 from appliance.weights.sources import WeightSource
@@ -207,15 +215,9 @@ def _prepare_part(part: Path, size: int) -> int:
     except FileNotFoundError:
         return 0
     if length > size:
-        _truncate(part, 0)
+        truncate_part(part, 0)
         return 0
     return length
-
-
-def _truncate(part: Path, length: int) -> None:
-    with part.open("ab") as handle:
-        handle.truncate(length)
-
 
 
 

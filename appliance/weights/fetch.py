@@ -220,7 +220,7 @@ def _start_offset(plan: Plan, response: http.client.HTTPResponse) -> int:
     """The offset the body starts at: `plan.offset` for a 206, 0 for a 200."""
     status = response.status
     if status == 416:
-        _truncate(plan.part, 0)
+        truncate_part(plan.part, 0)
         raise RetryAttempt("the server refused the resume range; starting the file over")
     if status >= 300:
         error = classify_status(status, response.getheader("X-Error-Code", ""),
@@ -236,7 +236,7 @@ def _start_offset(plan: Plan, response: http.client.HTTPResponse) -> int:
                                f"than bytes={plan.offset}-")
         return plan.offset
     if plan.offset:  # 200 to a ranged request: the whole file follows; start over
-        _truncate(plan.part, 0)
+        truncate_part(plan.part, 0)
     return 0
 
 
@@ -322,6 +322,6 @@ def _open_part(part: Path, offset: int) -> IO[bytes]:
     return handle
 
 
-def _truncate(part: Path, length: int) -> None:
+def truncate_part(part: Path, length: int) -> None:
     with part.open("ab") as handle:
         handle.truncate(length)
