@@ -74,6 +74,18 @@ async def pulled(service: WeightsService, **kwargs: Any) -> WeightsView:
     return await service.status()
 
 
+def pull_to_ready(config: Config, db: Database) -> None:
+    """One whole pull by a fresh service; it must end with the weights ready for the engine."""
+
+    async def scenario() -> None:
+        service = WeightsService(config, db, SystemClock())
+        view = await pulled(service)
+        await service.stop_service()
+        assert view.ready_for_engine, view.message
+
+    run(scenario)
+
+
 def identical(repo: Path, target: Path) -> bool:
     names = sorted(p.name for p in repo.iterdir())
     return names == sorted(p.name for p in target.iterdir() if p.is_file()) and all(
@@ -135,13 +147,7 @@ def test_stall_is_detected_within_its_window_and_resumed_with_range(
     hub.set_faults([f"stall:{SHARD}:300000"])  # then silence until the client gives up
     config, db = box(tmp_path / "box", hub)
 
-    async def scenario() -> None:
-        service = WeightsService(config, db, SystemClock())
-        view = await pulled(service)
-        await service.stop_service()
-        assert view.ready_for_engine, view.message
-
-    run(scenario)
+    pull_to_ready(config, db)
     requests = gets(hub, SHARD)
     assert len(requests) >= 2
     assert requests[0]["range"] is None and requests[0]["bytes"] == 300000
@@ -157,13 +163,7 @@ def test_trickle_is_detected_by_the_rate_floor_and_resumed(
     hub.set_faults([f"trickle:{SHARD}:2000:200000"])  # full speed, then 2 KB/s
     config, db = box(tmp_path / "box", hub, APPLIANCE_WEIGHTS_MIN_RATE_KIB_S="64")
 
-    async def scenario() -> None:
-        service = WeightsService(config, db, SystemClock())
-        view = await pulled(service)
-        await service.stop_service()
-        assert view.ready_for_engine, view.message
-
-    run(scenario)
+    pull_to_ready(config, db)
     ranges = [r["range"] for r in gets(hub, SHARD)]  # logged when each request ended
     assert ranges.count(None) == 1, ranges  # one fetch from the start; the rest resumed
     assert all(int(r.split("=")[1].rstrip("-")) >= 200000 for r in ranges if r)
@@ -174,13 +174,7 @@ def test_corrupt_bytes_refetch_only_that_file(tmp_path: Path, repo: Path, hub: F
     hub.set_faults([f"corrupt:{SHARD}"])
     config, db = box(tmp_path / "box", hub)
 
-    async def scenario() -> None:
-        service = WeightsService(config, db, SystemClock())
-        view = await pulled(service)
-        await service.stop_service()
-        assert view.ready_for_engine, view.message
-
-    run(scenario)
+    pull_to_ready(config, db)
     assert len(gets(hub, SHARD)) == 2
     others = [p.name for p in repo.iterdir() if p.name != SHARD]
     assert all(len(gets(hub, name)) == 1 for name in others)
@@ -193,13 +187,7 @@ def test_server_errors_and_dropped_connections_are_retried(
     hub.set_faults(["5xx:3:503:1", "429:1:1", f"close:{SHARD}:100000"])
     config, db = box(tmp_path / "box", hub)
 
-    async def scenario() -> None:
-        service = WeightsService(config, db, SystemClock())
-        view = await pulled(service)
-        await service.stop_service()
-        assert view.ready_for_engine, view.message
-
-    run(scenario)
+    pull_to_ready(config, db)
     statuses = [r["status"] for r in hub.requests()]
     assert statuses.count(503) == 3 and statuses.count(429) == 1
     assert "bytes=100000-" in [r["range"] for r in gets(hub, SHARD)]
