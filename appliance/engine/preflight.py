@@ -338,7 +338,7 @@ def gather_facts(
         weights_verified=weights_verified,
         weights_detail=weights_detail,
         weights_hint=weights_hint,
-        models_free_bytes=_usage(_nearest_existing(directory))[1],
+        models_free_bytes=_usage(nearest_existing(directory))[1],
         shm_total_bytes=shm_total,
         shm_free_bytes=shm_free,
     )
@@ -405,7 +405,8 @@ def _port_holder(port: int) -> PortHolder | None:
     return PortHolder(pid=pid, name=name, command=command)
 
 
-def _nearest_existing(path: Path) -> Path:
+def nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest existing parent (the volume a folder to be created will be on)."""
     while not path.exists() and path != path.parent:
         path = path.parent
     return path

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from appliance.engine.preflight import nearest_existing
 from appliance.errors import ApplianceError
 from appliance.weights import records
 from appliance.weights.downloader import (
@@ -299,9 +300,7 @@ async def mark_verified(service: WeightsService, set_id: int, path: str) -> None
 
 def free_bytes(path: Path) -> int:
     """Free bytes for unprivileged writers on the volume of `path` (or its nearest parent)."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    usage = os.statvfs(path)
+    usage = os.statvfs(nearest_existing(path))
     return usage.f_bavail * usage.f_frsize
 
 
