@@ -102,9 +102,15 @@ class TuningService:
         spec = spec or self.supervisor.current_spec()
         return launch_from_spec(spec, geometry, self.config)
 
-    async def budget(self, launch: Launch) -> Budget:
+    async def last_startup(self) -> str:
+        """The engine log from its last start on ("" before any start)."""
+        return await asyncio.to_thread(_last_startup, self.supervisor.log_path)
+
+    async def budget(self, launch: Launch, startup: str | None = None) -> Budget:
+        """Measured from `startup` (the last start's log, read here when not given), else
+        estimated."""
         log_path = self.supervisor.log_path
-        text = await asyncio.to_thread(_last_startup, log_path)
+        text = await self.last_startup() if startup is None else startup
         if text:
             measured = budget_from_log(text, source=f"the engine's last startup ({log_path})")
             if measured is not None:
@@ -135,7 +141,8 @@ class TuningService:
         geometry = await self.geometry()
         spec = self.supervisor.current_spec()
         launch = self.launch(geometry, spec)
-        budget = await self.budget(launch)
+        startup = await self.last_startup()  # read once: budget and observed workload
+        budget = await self.budget(launch, startup)
         current_ratio = _ratio_of(spec, self.config.engine.mamba_full_memory_ratio)
         rec = await asyncio.to_thread(
             lambda: recommend(geometry, launch, budget.bytes, chosen.lengths,
@@ -143,7 +150,7 @@ class TuningService:
                               current_ratio=current_ratio))
         points = await asyncio.to_thread(
             lambda: curve(geometry, launch, budget.bytes, chosen.lengths, _chart_ratios()))
-        observed = await self.observed(geometry, launch, budget, current_ratio)
+        observed = await self.observed(geometry, launch, budget, current_ratio, startup)
         problems = [] if budget.measured else [
             "no engine startup has been measured on this box yet: the budget is an estimate "
             "(start the engine once and these figures come from its own log)"]
@@ -156,11 +163,11 @@ class TuningService:
             observed=observed)
 
     async def observed(self, geometry: Geometry, launch: Launch, budget: Budget,
-                       current_ratio: float) -> Advice | None:
+                       current_ratio: float, startup: str) -> Advice | None:
         """The workload this box really got since the engine's last start (its `Decode
         batch` lines), and what it advises; None before any busy decode was logged. The
         gateway's per-request records join here once the gateway records them."""
-        text = await asyncio.to_thread(_last_startup, self.supervisor.log_path)
+        text = startup
         if not text or "Decode batch" not in text:
             return None
         # Compare with the split the logged run really had, not the one a start would use.
