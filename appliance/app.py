@@ -191,6 +191,7 @@ async def _stop(runtime: Runtime) -> None:
     # The engine keeps running: only the daemon's watching stops (it is adopted next start).
     await runtime.weights.stop_service()
     await runtime.supervisor.stop_service()
+    await runtime.publisher.stop()
     if runtime.scheduler.running:
         runtime.scheduler.shutdown(wait=False)
 

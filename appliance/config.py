@@ -264,6 +264,29 @@ class GpuConfig:
     expected_model: str = _key("B300", doc="text every GPU's name must contain")
 
 
+def _host(value: str) -> str | None:
+    return None if value.strip() else "an address such as 0.0.0.0 or 127.0.0.1"
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayConfig:
+    """The data plane: the OpenAI-compatible endpoint users reach (`appliance gateway`)."""
+
+    host: str = _key("0.0.0.0", _host, "address the gateway binds (users reach it here)")
+    port: int = _key(8000, _port, "TCP port of the OpenAI-compatible endpoint")
+    max_concurrency: int = _key(0, _nonnegative, "requests forwarded at once; 0: the "
+                                "engine's max_running_requests from /server_info")
+    queue_max: int = _key(512, _nonnegative, "requests waiting for a slot, over all keys")
+    queue_wait_seconds: int = _key(60, _positive, "longest wait for a slot before 429")
+    max_body_mib: int = _key(32, _positive, "largest request body accepted (413 above)")
+    first_byte_timeout_seconds: int = _key(
+        900, _positive, "longest wait for the engine's first byte (prefill of a long prompt)")
+    usage_retention_days: int = _key(90, _positive, "per-request usage rows kept; roll-ups "
+                                     "are kept for good")
+    tls_cert: Path | None = _key(None, _absolute, "PEM certificate; enables HTTPS")
+    tls_key: Path | None = _key(None, _absolute, "PEM private key for tls_cert")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """The whole configuration; `source` says where it came from, for messages."""
@@ -276,6 +299,7 @@ class Config:
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     gpu: GpuConfig = dataclasses.field(default_factory=GpuConfig)
     weights: WeightsConfig = dataclasses.field(default_factory=WeightsConfig)
+    gateway: GatewayConfig = dataclasses.field(default_factory=GatewayConfig)
     source: str = "built-in defaults"
     dev: bool = False
 
@@ -302,6 +326,7 @@ SECTIONS: dict[str, type[Any]] = {
     "engine": EngineConfig,
     "gpu": GpuConfig,
     "weights": WeightsConfig,
+    "gateway": GatewayConfig,
 }
 
 
@@ -345,6 +370,7 @@ def load_config(
     if dev:
         values["paths"].update(dev_paths(dev_root))
         values["engine"].update(DEV_ENGINE)
+        values["gateway"]["host"] = "127.0.0.1"  # a developer's box: loopback only
     for section, body in raw.items():
         if section not in SECTIONS:
             raise ConfigError(
@@ -486,6 +512,15 @@ def _cross_check(config: Config) -> None:
             config.source, "engine.port", f"{config.engine.port}, the same as server.port",
             "a port of its own (the engine listens on 127.0.0.1 beside the console)",
         )
+    gateway = config.gateway
+    if gateway.port in (server.port, config.engine.port):
+        raise ConfigError(
+            config.source, "gateway.port", f"{gateway.port}, already server.port or engine.port",
+            "a port of its own (8000 by default)",
+        )
+    if (gateway.tls_cert is None) != (gateway.tls_key is None):
+        raise ConfigError(config.source, "gateway.tls_cert/gateway.tls_key",
+                          "only one of the two set", "both set (HTTPS) or neither (HTTP)")
     if (server.tls_cert is None) != (server.tls_key is None):
         raise ConfigError(
             config.source,
@@ -493,7 +528,8 @@ def _cross_check(config: Config) -> None:
             "only one of the two set",
             "both set (HTTPS) or neither (HTTP)",
         )
-    for key, path in (("server.tls_cert", server.tls_cert), ("server.tls_key", server.tls_key)):
+    for key, path in (("server.tls_cert", server.tls_cert), ("server.tls_key", server.tls_key),
+                      ("gateway.tls_cert", gateway.tls_cert), ("gateway.tls_key", gateway.tls_key)):
         if path is not None and not path.is_file():
             raise ConfigError(config.source, key, f"{path} (missing)", "a readable PEM file")
 

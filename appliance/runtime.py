@@ -22,6 +22,7 @@ from appliance.clock import Clock, SystemClock
 from appliance.config import Config
 from appliance.db.database import Database
 from appliance.engine.client import EngineClient
+from appliance.engine.publish import StatusPublisher
 from appliance.engine.runner import EngineRunner, ProcessRunner
 from appliance.engine.supervisor import Supervisor
 from appliance.engine.systemd_runner import SystemdRunner
@@ -46,6 +47,7 @@ class Runtime:
     supervisor: Supervisor
     weights: WeightsService
     tuning: TuningService
+    publisher: StatusPublisher
     version: str = __version__
     started_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
     started_monotonic: float = 0.0
@@ -108,6 +110,8 @@ def build_runtime(
     )
     weights.on_ready = lambda: start_when_waiting(supervisor)
     tuning = TuningService(config, db, clock, gpus, supervisor, weights)
+    publisher = StatusPublisher(db, clock)
+    supervisor.on_change(publisher.listen)
     return Runtime(
         config=config,
         clock=clock,
@@ -124,6 +128,7 @@ def build_runtime(
         supervisor=supervisor,
         weights=weights,
         tuning=tuning,
+        publisher=publisher,
         started_at=clock.now(),
         started_monotonic=clock.monotonic(),
     )

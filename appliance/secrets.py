@@ -7,6 +7,8 @@ file or the new, never a half-written or world-readable one.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import secrets
 from pathlib import Path
 
@@ -23,3 +25,9 @@ def server_secret(state_dir: Path) -> bytes:
     if not path.exists():
         write_private(path, secrets.token_bytes(32).hex().encode())
     return bytes.fromhex(path.read_text().strip())
+
+
+def keyed_hash(secret: bytes, credential: str) -> str:
+    """HMAC-SHA256 of a credential (admin token, gateway key) under the server secret: what is
+    stored instead of the credential, so a copy of the database cannot forge or test one."""
+    return hmac.new(secret, credential.encode(), hashlib.sha256).hexdigest()

@@ -817,7 +817,9 @@ def test_doc_example_loads(tmp: Path) -> None:
            "APPLIANCE_PATHS_MODELS_DIR": str(tmp / "models"),
            "APPLIANCE_PATHS_LOG_DIR": str(tmp / "log"),
            "APPLIANCE_SERVER_TLS_CERT": str(tmp / "cert.pem"),
-           "APPLIANCE_SERVER_TLS_KEY": str(tmp / "key.pem")}
+           "APPLIANCE_SERVER_TLS_KEY": str(tmp / "key.pem"),
+           "APPLIANCE_GATEWAY_TLS_CERT": str(tmp / "cert.pem"),
+           "APPLIANCE_GATEWAY_TLS_KEY": str(tmp / "key.pem")}
     complete = []
     for number, block in enumerate(blocks):
         path = write_config(tmp, block, name=f"example{number}.toml")

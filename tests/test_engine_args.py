@@ -45,6 +45,7 @@ K3_DEFAULT = [
     "--reasoning-parser", "kimi_k3",
     "--tool-call-parser", "kimi_k3",
     "--enable-metrics",
+    "--enable-cache-report",
     "--enable-mixed-chunk",
     "--kv-cache-dtype", "fp8_e4m3",
     "--mem-fraction-static", "0.93",
@@ -77,7 +78,8 @@ def test_every_default_flag_is_a_default_with_no_note() -> None:
     assert {a.origin for a in built.args} == {Origin.DEFAULT}
     assert all(a.note == "" for a in built.args)
     switches = {a.flag for a in built.args if a.value is None}
-    assert switches == {"--trust-remote-code", "--enable-metrics", "--enable-mixed-chunk"}
+    assert switches == {"--trust-remote-code", "--enable-metrics", "--enable-cache-report",
+                        "--enable-mixed-chunk"}
 
 
 def test_default_argv_passes_the_flag_table() -> None:

@@ -9,7 +9,6 @@ tokens. The full token is shown exactly once, when created.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import hmac
 import re
 import secrets
@@ -22,6 +21,7 @@ from appliance.auth.accounts import Admin, get_admin
 from appliance.auth.sessions import TOUCH_INTERVAL
 from appliance.db.models import ApiToken
 from appliance.errors import ApplianceError
+from appliance.secrets import keyed_hash
 
 TOKEN_RE = re.compile(r"^apt_([0-9a-f]{8})_([A-Za-z0-9_-]{43})$")
 NAME_RE = re.compile(r"^[\w .@-]{1,64}$")
@@ -40,10 +40,6 @@ class TokenInfo:
 
     def active(self, now: dt.datetime) -> bool:
         return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)
-
-
-def _mac(secret: bytes, token: str) -> str:
-    return hmac.new(secret, token.encode(), hashlib.sha256).hexdigest()
 
 
 def _info(row: ApiToken, owner: str) -> TokenInfo:
@@ -70,8 +66,8 @@ def create_token(
     while session.scalar(select(ApiToken.id).where(ApiToken.prefix == prefix)):
         prefix = secrets.token_hex(4)
     token = f"apt_{prefix}_{secrets.token_urlsafe(32)}"
-    row = ApiToken(name=name, prefix=prefix, token_hash=_mac(secret, token), user_id=admin.id,
-                   created_at=now, expires_at=expires_at)
+    row = ApiToken(name=name, prefix=prefix, token_hash=keyed_hash(secret, token),
+                   user_id=admin.id, created_at=now, expires_at=expires_at)
     session.add(row)
     session.flush()
     return token, _info(row, admin.username)
@@ -108,7 +104,7 @@ def resolve_token(
     if match is None:
         return None
     row = session.scalar(select(ApiToken).where(ApiToken.prefix == match.group(1)))
-    if row is None or not hmac.compare_digest(row.token_hash, _mac(secret, token)):
+    if row is None or not hmac.compare_digest(row.token_hash, keyed_hash(secret, token)):
         return None
     if row.revoked_at is not None or (row.expires_at is not None and row.expires_at <= now):
         return None

@@ -272,3 +272,102 @@ class TuningChoice(Base):
     applied_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
     applied_by: Mapped[str] = mapped_column(String(128), nullable=False, default="")
     spec_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+
+
+class EngineStatusRow(Base):
+    """The engine's state as the control plane last published it (one row), for the gateway,
+    which runs in a process of its own: READY/DEGRADED admit requests; anything else is a 503
+    carrying `message` and `eta_seconds`. `max_running_requests` and `context_len` come from
+    the engine's /server_info once it is ready (None before)."""
+
+    __tablename__ = "engine_status"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    state: Mapped[str] = mapped_column(String(32), nullable=False)
+    message: Mapped[str] = mapped_column(Text, nullable=False, default="")
+    eta_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
+
+
+class GatewayKey(Base):
+    """An API key of the gateway: the box's users' credential. Only an HMAC of the key (keyed
+    with the server secret) and an 8-character prefix are stored. `changed_at` moves on every
+    edit (revoke, limits), which is how the gateway notices a change within its poll."""
+
+    __tablename__ = "gateway_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), nullable=False)
+    owner: Mapped[str] = mapped_column(String(128), nullable=False, default="")
+    prefix: Mapped[str] = mapped_column(String(8), unique=True, nullable=False)
+    key_hash: Mapped[str] = mapped_column(String(64), nullable=False)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
+    created_by: Mapped[str] = mapped_column(String(128), nullable=False, default="")
+    changed_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
+    last_used_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    expires_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    revoked_by: Mapped[str] = mapped_column(String(128), nullable=False, default="")
+    max_concurrency: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tokens_per_day: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    max_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class UsageRequest(Base):
+    """One request the gateway answered (forwarded or refused). Kept for
+    `gateway.usage_retention_days`; the roll-ups below keep the sums for good."""
+
+    __tablename__ = "usage_requests"
+    __table_args__ = (Index("ix_usage_requests_started_at", "started_at"),
+                      Index("ix_usage_requests_key_started", "key_id", "started_at"))
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    key_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    model: Mapped[str] = mapped_column(String(200), nullable=False, default="")
+    endpoint: Mapped[str] = mapped_column(String(32), nullable=False)
+    stream: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
+    status: Mapped[int] = mapped_column(Integer, nullable=False)
+    outcome: Mapped[str] = mapped_column(String(32), nullable=False)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    started_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
+    ended_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
+    queue_ms: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
+    ttft_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    duration_ms: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
+    history: Mapped[str] = mapped_column(String(16), nullable=False, default="")
+
+
+class _UsageRollup:
+    """Columns shared by the hourly and daily roll-ups: sums over one key and model."""
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    key_id: Mapped[int] = mapped_column(Integer, nullable=False)  # 0: no key (refused)
+    model: Mapped[str] = mapped_column(String(200), nullable=False, default="")
+    requests: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    errors: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    duration_ms: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
+    ttft_ms: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
+    ttft_count: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    appended: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    rewritten: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+
+
+class UsageHourly(_UsageRollup, Base):
+    __tablename__ = "usage_hourly"
+    __table_args__ = (UniqueConstraint("bucket", "key_id", "model", name="uq_usage_hourly"),)
+
+    bucket: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False, index=True)
+
+
+class UsageDaily(_UsageRollup, Base):
+    __tablename__ = "usage_daily"
+    __table_args__ = (UniqueConstraint("bucket", "key_id", "model", name="uq_usage_daily"),)
+
+    bucket: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False, index=True)

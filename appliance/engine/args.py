@@ -22,6 +22,8 @@ Why the K3 defaults are what they are (SGLang 0.5.23 source, under sglang/srt/):
                             K3's thinking and tool-call formats (parser/reasoning_parser.py:2287,
                             function_call/function_call_parser.py:93)
   --enable-metrics          the health monitor and capacity views read /metrics
+  --enable-cache-report     usage reports cached prompt tokens (prompt_tokens_details), which
+                            the gateway records per request (openai/usage_processor.py)
   --enable-mixed-chunk      prefill chunks ride along with decode steps; DSPARK keeps it
                             (speculative/spec_info.py:147-158 lists DSPARK as supporting it)
   --kv-cache-dtype, --mem-fraction-static, --mamba-full-memory-ratio
@@ -261,6 +263,7 @@ def default_args(inputs: LaunchInputs) -> list[tuple[str, str | None]]:
         ("--reasoning-parser", "kimi_k3"),
         ("--tool-call-parser", "kimi_k3"),
         ("--enable-metrics", None),
+        ("--enable-cache-report", None),
         ("--enable-mixed-chunk", None),
         ("--kv-cache-dtype", inputs.kv_cache_dtype),
         ("--mem-fraction-static", repr(inputs.mem_fraction_static)),

@@ -1,0 +1,100 @@
+"""The engine's state, published for the gateway (a process of its own) through the database.
+
+The supervisor is the only writer of engine state; this module copies what matters to the
+gateway (state, message, ETA) into the one-row `engine_status` table whenever it changes.
+Writes are coalesced: the first change is written at once, later ones at most once per
+`interval` seconds, and the newest always wins, so a 90-minute load with a moving percentage
+costs one small write a second. The gateway polls the row (`read_published`); when the daemon
+is restarted the row keeps the last state, so a serving engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+from dataclasses import dataclass
+
+from sqlalchemy.orm import Session
+
+from appliance.clock import Clock
+from appliance.db.database import Database
+from appliance.db.models import EngineStatusRow
+from appliance.engine.states import EngineState, admits_requests
+from appliance.engine.supervisor import EngineStatus
+
+log = logging.getLogger(__name__)
+ROW_ID = 1
+
+
+@dataclass(frozen=True)
+class Published:
+    """The engine's state as the gateway sees it."""
+
+    state: str
+    message: str
+    eta_seconds: float | None
+    updated_at: dt.datetime
+
+    @property
+    def admits_requests(self) -> bool:
+        try:
+            return admits_requests(EngineState(self.state))
+        except ValueError:
+            return False
+
+
+def write_published(session: Session, state: str, message: str, eta_seconds: float | None,
+                    at: dt.datetime) -> None:
+    row = session.get(EngineStatusRow, ROW_ID)
+    if row is None:
+        session.add(EngineStatusRow(id=ROW_ID, state=state, message=message,
+                                    eta_seconds=eta_seconds, updated_at=at))
+        return
+    row.state, row.message, row.eta_seconds, row.updated_at = state, message, eta_seconds, at
+
+
+def read_published(session: Session) -> Published | None:
+    row = session.get(EngineStatusRow, ROW_ID)
+    if row is None:
+        return None
+    return Published(row.state, row.message, row.eta_seconds, row.updated_at)
+
+
+class StatusPublisher:
+    """Listens to the supervisor and keeps `engine_status` current (see the module doc)."""
+
+    def __init__(self, db: Database, clock: Clock, interval: float = 1.0) -> None:
+        self.db, self.clock, self.interval = db, clock, interval
+        self._latest: tuple[str, str, float | None] | None = None
+        self._written: tuple[str, str, float | None] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def listen(self, status: EngineStatus) -> None:
+        """The supervisor's on_change listener (runs on the event loop)."""
+        eta = None if status.eta_seconds is None else round(status.eta_seconds)
+        self._latest = (status.state.value, status.message, eta)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        while self._latest is not None and self._latest != self._written:
+            latest, at = self._latest, self.clock.now()
+            try:
+                await self.db.run(lambda s: write_published(s, *latest, at))
+                self._written = latest
+            except Exception:
+                log.exception("could not publish the engine state for the gateway")
+            await asyncio.sleep(self.interval)
+
+    async def stop(self) -> None:
+        """Write the newest state now (the daemon is stopping) and end the flusher."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._latest is not None and self._latest != self._written:
+            latest, at = self._latest, self.clock.now()
+            await self.db.run(lambda s: write_published(s, *latest, at))
+            self._written = latest
