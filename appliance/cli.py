@@ -1,4 +1,4 @@
-"""The `appliance` command: serve, migrate, admin accounts and admin API tokens.
+"""The `appliance` command: serve, gateway, migrate, admin accounts and admin API tokens.
 
 Configuration is loaded here, once, and passed down. Every failure a person can cause prints
 one message with its cause and the next step, and exits with a sysexits code (78 for
@@ -221,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("serve", parents=[common], help="run the control plane (admin UI and API)")
+    sub.add_parser("gateway", parents=[common],
+                   help="run the data plane: the OpenAI-compatible endpoint for users")
     migrate = sub.add_parser("migrate", parents=[common],
                              help="upgrade the database schema (backs SQLite up first)")
     migrate.add_argument("--migrations", help=argparse.SUPPRESS)  # tests: another script dir
@@ -253,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     from appliance.tuning import cli as tuning_cli
 
     tuning_cli.add_parser(sub, common)
+    from appliance.gateway import keys_cli
+
+    keys_cli.add_parser(sub, common)
     return parser
 
 
@@ -274,9 +279,21 @@ def cmd_tune(args: argparse.Namespace, config: Config) -> int:
     return tuning_cli.run(args, config)
 
 
+def cmd_keys(args: argparse.Namespace, config: Config) -> int:
+    from appliance.gateway import keys_cli
+
+    return keys_cli.run(args, config)
+
+
+def cmd_gateway(args: argparse.Namespace, config: Config) -> int:
+    from appliance.gateway.serve import run_gateway
+
+    return run_gateway(config)
+
+
 HANDLERS: dict[str, Handler] = {
-    "serve": cmd_serve, "migrate": cmd_migrate, "admin": cmd_admin, "token": cmd_token,
-    "engine": cmd_engine, "weights": cmd_weights, "tune": cmd_tune,
+    "serve": cmd_serve, "gateway": cmd_gateway, "migrate": cmd_migrate, "admin": cmd_admin, "token": cmd_token,
+    "engine": cmd_engine, "weights": cmd_weights, "tune": cmd_tune, "keys": cmd_keys,
 }
 
 

@@ -26,7 +26,7 @@ from appliance.sdnotify import notify, watchdog_interval
 log = logging.getLogger(__name__)
 
 
-class _Server(uvicorn.Server):
+class OwnSignalsServer(uvicorn.Server):
     """uvicorn without its own signal capture: the daemon installs handlers on its loop and
     does not want the signal re-raised after shutdown (it would skip our cleanup)."""
 
@@ -41,7 +41,7 @@ def _record(runtime: Runtime, severity: str, message: str) -> None:
                                         message=message))
 
 
-async def _announce_ready(server: _Server, runtime: Runtime) -> None:
+async def _announce_ready(server: OwnSignalsServer, runtime: Runtime) -> None:
     while not server.started:
         if server.should_exit:
             return
@@ -55,7 +55,7 @@ async def _announce_ready(server: _Server, runtime: Runtime) -> None:
     log.info("appliance %s ready on %s", runtime.version, url)
 
 
-async def _watchdog(interval: float) -> None:
+async def watchdog_loop(interval: float) -> None:
     while True:
         notify("WATCHDOG=1")
         await asyncio.sleep(interval)
@@ -75,14 +75,14 @@ async def run_server(runtime: Runtime) -> None:
         proxy_headers=False,  # nothing proxies the console: client addresses are real
         lifespan="on",
     )
-    server = _Server(config)
+    server = OwnSignalsServer(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
     tasks = [asyncio.create_task(_announce_ready(server, runtime))]
     interval = watchdog_interval()
     if interval:
-        tasks.append(asyncio.create_task(_watchdog(interval)))
+        tasks.append(asyncio.create_task(watchdog_loop(interval)))
     try:
         await server.serve()
     except SystemExit:

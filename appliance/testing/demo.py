@@ -6,14 +6,18 @@ migrates the database, creates the bootstrap admin if there is none, prints how 
 Hub (a child process serving a generated checkpoint) for the weights to be pulled from, then
 runs `appliance serve` in the foreground until Ctrl-C. On the first run it asks for the
 weights and for the engine, so the daemon pulls and proves the weights and then starts the
-engine emulator by itself, as a fresh box does. Later issues add the gateway here, so
-`make demo` always shows everything that exists.
+engine emulator by itself, as a fresh box does. Beside the daemon it runs the gateway
+(`appliance gateway`, a child process, as its own unit would be) with three demo API keys,
+and a few pretend users (`appliance.testing.demo_traffic`) chatting through it, so the
+Usage page and the rewrite rates have something to show. Later issues add their parts here,
+so `make demo` always shows everything that exists.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import os
 import subprocess
 import sys
@@ -29,6 +33,8 @@ from appliance.config import DEV_ROOT, load_config
 from appliance.db.database import Database
 from appliance.engine.records import get_desired, list_runs, set_desired
 from appliance.errors import ApplianceError
+from appliance.gateway.keys import create_key, list_keys
+from appliance.secrets import server_secret, write_private
 from appliance.testing.checkpoint import write_checkpoint
 from appliance.testing.fake_gpus import FakeGpus
 from appliance.weights import records as weights_records
@@ -95,6 +101,45 @@ def want_engine_running_once(db: Database, now: dt.datetime) -> None:
     db.call(apply)
 
 
+DEMO_USERS = ("chat", "agent", "summariser")
+
+
+def demo_keys(db: Database, state_dir: Path, now: dt.datetime) -> Path:
+    """Three demo API keys, created once; their plaintext is kept in a 0600 file because the
+    demo prints one and its traffic uses them (production shows a key once, never stores
+    it)."""
+    path = state_dir / "demo-api-keys.json"
+    names = {k.name for k in db.call(list_keys) if k.revoked_at is None}
+    if path.exists() and names >= set(DEMO_USERS):
+        return path
+    secret = server_secret(state_dir)
+    def create(session: Session) -> dict[str, str]:
+        return {name: create_key(session, secret, name=name, owner="demo", by="demo",
+                                 now=now)[0] for name in DEMO_USERS}
+
+    keys = db.call(create)
+    write_private(path, json.dumps(keys).encode())
+    return path
+
+
+@contextlib.contextmanager
+def children(gateway_url: str, keyfile: Path) -> Iterator[None]:
+    """The gateway and the demo traffic, as child processes for as long as the daemon runs."""
+    processes = [
+        subprocess.Popen([sys.executable, "-m", "appliance", "--dev", "gateway"]),
+        subprocess.Popen([sys.executable, "-m", "appliance.testing.demo_traffic", gateway_url,
+                          str(keyfile)]),
+    ]
+    try:
+        yield
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=70)
+
+
 def main() -> int:
     if cli_main(["--dev", "migrate"]) != 0:
         return 1
@@ -118,7 +163,10 @@ def run_demo(hub_url: str) -> int:
     db.call(lambda s: ensure_first_admin(s, config.paths.state_dir, now))
     want_weights_once(db, now)
     want_engine_running_once(db, now)
+    keyfile = demo_keys(db, config.paths.state_dir, now)
     db.dispose()
+    gateway_url = f"http://{config.gateway.host}:{config.gateway.port}"
+    chat_key = json.loads(keyfile.read_text())["chat"]
     server = config.server
     credential = bootstrap_file(config.paths.state_dir)
     lines = [
@@ -143,6 +191,14 @@ def run_demo(hub_url: str) -> int:
         "  Engine:   the Engine page starts the SGLang *emulator* (appliance.testing.fake_sglang)",
         "            on fake GPUs: a 90-minute K3 start plays in about a minute. It waits for",
         "            the weights to be proven, then starts by itself.",
+        f"  Gateway:  {gateway_url}/v1 (OpenAI-compatible; `appliance gateway`), for example:",
+        f"            curl {gateway_url}/v1/chat/completions -H 'Authorization: Bearer "
+        f"{chat_key}'",
+        "                 -H 'Content-Type: application/json' -d '{\"model\": \"kimi-k3\", "
+        "\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'",
+        "            Three pretend users (demo_traffic) chat through it once the engine is",
+        "            ready: see the Usage and API keys pages (\"summariser\" rewrites its",
+        "            history, so its rewrite rate is high).",
         "  Stop with Ctrl-C (the emulated engine keeps running, as a real one would; the next",
         "  `make demo` adopts it; stop it from the Engine page).",
         "",
@@ -154,7 +210,8 @@ def run_demo(hub_url: str) -> int:
     os.environ.setdefault("FAKE_SGLANG_GPU_STATE", str(gpu_state))
     os.environ.setdefault("FAKE_SGLANG_LOAD_SECONDS", "60")
     try:
-        return serve(config, gpus=FakeGpus(state_file=gpu_state))
+        with children(gateway_url, keyfile):
+            return serve(config, gpus=FakeGpus(state_file=gpu_state))
     except ApplianceError as exc:
         print(f"demo: {exc.as_text()}", file=sys.stderr)
         return exc.exit_code

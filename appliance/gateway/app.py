@@ -1,0 +1,403 @@
+"""The gateway's ASGI application: the data plane in front of the engine.
+
+A plain ASGI app rather than a framework: it has six routes and a budget of a millisecond,
+and the hot path is a byte pump. One generation request goes:
+
+    authenticate (key cache) → content type → body size → parse and validate → engine state
+    → per-key limits (concurrency, requests/minute, tokens/day) → admission (fair queue)
+    → forward → stream back, metering → record usage, metrics, history
+
+Every refusal is a `GatewayError` rendered in the client's shape (OpenAI's, or Anthropic's on
+`/v1/messages`), recorded and counted; nothing refused reaches the engine. While a request
+waits or streams, a watcher listens for the client going away: the request then leaves the
+queue or its upstream request is closed at once, which makes SGLang abort it, and its slot is
+free for the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from appliance.gateway import validate
+from appliance.gateway.admission import QueueFull, QueueTimeout
+from appliance.gateway.errors import GatewayError, rewrap_engine_error
+from appliance.gateway.keycache import presented_key
+from appliance.gateway.keys import KeyEntry
+from appliance.gateway.parts import GatewayParts
+from appliance.gateway.sse import StreamMeter, Usage, usage_of
+from appliance.gateway.usage import UsageRecord
+from appliance.gateway.validate import ENDPOINTS, Endpoint, Parsed
+
+log = logging.getLogger(__name__)
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+FORWARDED_HEADERS = (b"accept", b"anthropic-version", b"anthropic-beta", b"x-request-id")
+STREAM_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
+                  (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+CLIENT_CLOSED = 499  # nginx's code for "the client went away"
+
+
+@dataclass
+class Exchange:
+    """One request's bookkeeping, filled in as it goes."""
+
+    endpoint: Endpoint | None
+    started: float
+    started_at: dt.datetime
+    key: KeyEntry | None = None
+    parsed: Parsed | None = None
+    status: int = 200
+    outcome: str = "ok"
+    queue_ms: float = 0.0
+    ttft: float | None = None
+    usage: Usage = field(default_factory=Usage)
+    events: int = 0
+    response_started: bool = False
+    response_done: bool = False
+
+
+class GatewayApp:
+    def __init__(self, parts: GatewayParts) -> None:
+        self.parts = parts
+        self.served = frozenset({parts.config.engine.served_model_name})
+        self.max_body = parts.config.gateway.max_body_mib << 20
+        self.queue_wait = float(parts.config.gateway.queue_wait_seconds)
+        self.inflight: dict[int, int] = {}
+        self.recent_seconds = 1.0  # moving mean of request durations, for Retry-After
+
+    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self.http(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await self.lifespan(receive, send)
+
+    async def lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.parts.start()
+                except Exception as exc:
+                    log.exception("the gateway could not start")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.parts.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # --- routing ------------------------------------------------------------------------------
+
+    async def http(self, scope: Message, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        method: str = scope["method"]
+        endpoint = ENDPOINTS.get(path)
+        if endpoint is not None:
+            if method != "POST":
+                await self._error(send, GatewayError(405, "method_not_allowed",
+                                                     f"{path} takes POST"), endpoint.anthropic)
+                return
+            await self.generate(endpoint, scope, receive, send)
+        elif path == "/v1/models" or path.startswith("/v1/models/"):
+            await self.models(scope, send)
+        elif path == "/metrics":
+            await _respond(send, 200, self.parts.metrics.render(),
+                           b"text/plain; version=0.0.4; charset=utf-8")
+        elif path in ("/health", "/healthz"):
+            await self.health(send)
+        else:
+            await self._error(send, GatewayError(404, "not_found", f"there is no route {path}; "
+                                                 "the API is under /v1/"), False)
+
+    async def health(self, send: Send) -> None:
+        published = self.parts.gate.published
+        body = msgspec.json.encode({
+            "status": "ok", "engine": published.state if published else "unknown",
+            "admitting": self.parts.gate.open, "limit": self.parts.admission.limit,
+            "admitted": self.parts.admission.in_use, "queued": self.parts.admission.waiting})
+        await _respond(send, 200, body)
+
+    async def models(self, scope: Message, send: Send) -> None:
+        """The served model, answered here (no engine needed, so clients can list models
+        while the engine loads)."""
+        try:
+            await self.parts.keys.resolve(presented_key(dict(scope["headers"])),
+                                          self.parts.clock.now())
+        except GatewayError as err:
+            await self._error(send, err, False)
+            return
+        name = self.parts.config.engine.served_model_name
+        card: dict[str, Any] = {"id": name, "object": "model", "created": self.parts.created,
+                                "owned_by": "appliance"}
+        if self.parts.gate.context_len:
+            card["max_model_len"] = self.parts.gate.context_len
+        path: str = scope["path"]
+        if path == "/v1/models":
+            payload: dict[str, Any] = {"object": "list", "data": [card]}
+        elif path.removeprefix("/v1/models/") == name:
+            payload = card
+        else:
+            await self._error(send, GatewayError(
+                404, "model_not_found", f"the model {path.removeprefix('/v1/models/')!r} "
+                f"does not exist here; this box serves {name}", "model"), False)
+            return
+        await _respond(send, 200, msgspec.json.encode(payload))
+
+    # --- generation ---------------------------------------------------------------------------
+
+    async def generate(self, endpoint: Endpoint, scope: Message, receive: Receive,
+                       send: Send) -> None:
+        parts = self.parts
+        ex = Exchange(endpoint, time.perf_counter(), parts.clock.now())
+        try:
+            headers = dict(scope["headers"])
+            ex.key = key = await parts.keys.resolve(presented_key(headers), ex.started_at)
+            content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+            if content_type != b"application/json":
+                raise GatewayError(415, "unsupported_media_type",
+                                   "send the body as JSON with Content-Type: application/json")
+            body = await self._read_body(headers, receive)
+            ex.parsed = parsed = validate.parse(
+                endpoint, body, served=self.served, context_len=parts.gate.context_len,
+                key_max_tokens=key.limits.max_tokens)
+            refusal = parts.gate.refusal()
+            if refusal is not None:
+                raise refusal
+            self._check_key_limits(key, ex)
+            await self._guarded(ex, key, parsed, scope, headers, receive, send)
+        except GatewayError as err:
+            ex.status, ex.outcome = err.status, err.code
+            if not ex.response_started:
+                await self._error(send, err, endpoint.anthropic)
+        finally:
+            self._account(ex)
+
+    async def _read_body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
+        too_big = GatewayError(413, "request_too_large",
+                               f"the body is larger than {self.max_body >> 20} MiB "
+                               "(gateway.max_body_mib)")
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
+            raise too_big
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise GatewayError(CLIENT_CLOSED, "client_closed",
+                                   "the client went away while sending")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                raise too_big
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _check_key_limits(self, key: KeyEntry, ex: Exchange) -> None:
+        limits, parts = key.limits, self.parts
+        if limits.max_concurrency is not None and \
+                self.inflight.get(key.id, 0) >= limits.max_concurrency:
+            raise GatewayError(429, "key_concurrency_limit",
+                               f"this key already has {limits.max_concurrency} requests in "
+                               "flight, its limit; wait for one to finish", retry_after=1)
+        if limits.tokens_per_day is not None:
+            wait = parts.limiter.over_daily(key.id, limits.tokens_per_day, ex.started_at)
+            if wait is not None:
+                raise GatewayError(429, "tokens_per_day_limit",
+                                   f"this key has used its {limits.tokens_per_day} tokens for "
+                                   "today (UTC); the allowance renews at midnight UTC",
+                                   retry_after=wait)
+        if limits.requests_per_minute is not None:
+            wait = parts.limiter.admit_rate(key.id, limits.requests_per_minute, ex.started)
+            if wait is not None:
+                raise GatewayError(429, "requests_per_minute_limit",
+                                   f"this key may send {limits.requests_per_minute} requests a "
+                                   "minute", retry_after=wait)
+
+    async def _guarded(self, ex: Exchange, key: KeyEntry, parsed: Parsed, scope: Message,
+                       headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:
+        """Admit and forward, while a watcher listens for the client going away."""
+        self.inflight[key.id] = self.inflight.get(key.id, 0) + 1
+        work = asyncio.ensure_future(self._admit_and_forward(ex, key, parsed, headers, send))
+        watcher = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if not work.done() and not ex.response_done:
+                work.cancel()
+                ex.status, ex.outcome = CLIENT_CLOSED, "client_closed"
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                return
+            await work
+        finally:
+            watcher.cancel()
+            if not work.done():
+                work.cancel()
+            count = self.inflight[key.id] - 1
+            if count:
+                self.inflight[key.id] = count
+            else:
+                del self.inflight[key.id]
+
+    async def _admit_and_forward(self, ex: Exchange, key: KeyEntry, parsed: Parsed,
+                                 headers: dict[bytes, bytes], send: Send) -> None:
+        parts = self.parts
+        weight = parsed.n
+        if parsed.endpoint.generates and not parts.admission.try_acquire(weight):
+            waited = time.perf_counter()
+            try:
+                await parts.admission.acquire(key.id, weight, self.queue_wait)
+            except (QueueFull, QueueTimeout) as exc:
+                raise self._busy(type(exc).__name__) from None
+            finally:
+                ex.queue_ms = (time.perf_counter() - waited) * 1000
+                parts.metrics.queue_wait.observe(ex.queue_ms / 1000)
+        try:
+            refusal = parts.gate.refusal()  # the engine may have begun to stop meanwhile
+            if refusal is not None:
+                raise refusal
+            await self._forward(ex, parsed, headers, send)
+        finally:
+            if parsed.endpoint.generates:
+                parts.admission.release(weight)
+
+    def _busy(self, why: str) -> GatewayError:
+        admission = self.parts.admission
+        ahead = admission.waiting + 1
+        retry = max(1, min(60, round(self.recent_seconds * ahead / admission.limit)))
+        if why == "QueueFull":
+            return GatewayError(429, "queue_full",
+                                f"the engine is busy ({admission.in_use} running, "
+                                f"{admission.waiting} waiting, the queue is full); retry later",
+                                retry_after=retry)
+        return GatewayError(429, "queue_timeout",
+                            f"waited {self.queue_wait:.0f} s for a free slot (the engine is "
+                            f"busy: {admission.in_use} running); retry later", retry_after=retry)
+
+    async def _forward(self, ex: Exchange, parsed: Parsed, headers: dict[bytes, bytes],
+                       send: Send) -> None:
+        upstream_headers = {"content-type": "application/json"}
+        for name in FORWARDED_HEADERS:
+            if name in headers:
+                upstream_headers[name.decode()] = headers[name].decode("latin-1")
+        anthropic = parsed.endpoint.anthropic
+        try:
+            async with self.parts.upstream.request("POST", parsed.endpoint.path, parsed.body,
+                                                   upstream_headers) as response:
+                if response.status >= 400:
+                    raise rewrap_engine_error(response.status, await response.read(), anthropic)
+                if parsed.stream and response.content_type == "text/event-stream":
+                    await self._stream(ex, parsed, response, send)
+                else:
+                    body = await response.read()
+                    ex.ttft = time.perf_counter() - ex.started
+                    ex.usage = usage_of(body)
+                    ex.response_started = ex.response_done = True
+                    await _respond(send, response.status, body,
+                                   response.headers.get("content-type",
+                                                        "application/json").encode())
+        except GatewayError:
+            raise
+        except (TimeoutError, aiohttp.ServerTimeoutError):
+            if ex.response_started:
+                ex.outcome = "upstream_timeout"
+                await _end_stream(send)
+                return
+            raise GatewayError(504, "engine_timeout", "the engine did not answer within "
+                               "gateway.first_byte_timeout_seconds") from None
+        except aiohttp.ClientError as exc:
+            if ex.response_started:
+                ex.outcome = "upstream_error"
+                await _end_stream(send)
+                return
+            raise GatewayError(502, "engine_unreachable",
+                               f"could not reach the engine ({exc}); it may be restarting",
+                               retry_after=5) from None
+
+    async def _stream(self, ex: Exchange, parsed: Parsed, response: aiohttp.ClientResponse,
+                      send: Send) -> None:
+        meter = StreamMeter(strip_usage=not parsed.wants_usage)
+        ex.response_started = True
+        await send({"type": "http.response.start", "status": 200, "headers": STREAM_HEADERS})
+        async for chunk in response.content.iter_any():
+            if ex.ttft is None:
+                ex.ttft = time.perf_counter() - ex.started
+            out = meter.feed(chunk)
+            if out:
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+        tail = meter.finish()
+        ex.usage, ex.events = meter.usage, meter.events
+        ex.response_done = True
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    # --- accounting ---------------------------------------------------------------------------
+
+    def _account(self, ex: Exchange) -> None:
+        parts = self.parts
+        ended = time.perf_counter()
+        duration = ended - ex.started
+        endpoint = ex.endpoint.name if ex.endpoint else ""
+        usage = ex.usage
+        if not usage.reported and ex.events:
+            usage.completion_tokens = ex.events  # cut short: count the chunks sent
+        metrics = parts.metrics
+        metrics.requests.labels(endpoint, str(ex.status), ex.outcome).inc()
+        metrics.duration.labels(endpoint).observe(duration)
+        parsed, key = ex.parsed, ex.key
+        history = ""
+        if ex.outcome == "ok":
+            self.recent_seconds += (duration - self.recent_seconds) * 0.05
+            if ex.ttft is not None:
+                metrics.ttft.observe(ex.ttft)
+            metrics.tokens.labels("prompt").inc(usage.prompt_tokens)
+            metrics.tokens.labels("completion").inc(usage.completion_tokens)
+            metrics.tokens.labels("cached").inc(usage.cached_tokens)
+            if parsed is not None and parsed.messages is not None and key is not None:
+                history = parts.history.classify(key.id, parsed.messages)
+        if key is not None and (usage.prompt_tokens or usage.completion_tokens):
+            parts.limiter.add_tokens(key.id, usage.prompt_tokens + usage.completion_tokens,
+                                     ex.started_at)
+        parts.recorder.add(UsageRecord(
+            key_id=key.id if key else None, model=parsed.model if parsed else "",
+            endpoint=endpoint, stream=bool(parsed and parsed.stream), status=ex.status,
+            outcome=ex.outcome, prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens, cached_tokens=usage.cached_tokens,
+            started_at=ex.started_at,
+            ended_at=ex.started_at + dt.timedelta(seconds=duration), queue_ms=round(ex.queue_ms, 3),
+            ttft_ms=None if ex.ttft is None else round(ex.ttft * 1000, 3),
+            duration_ms=round(duration * 1000, 3), history=history))
+
+    async def _error(self, send: Send, err: GatewayError, anthropic: bool) -> None:
+        await _respond(send, err.status, err.body(anthropic), headers=err.headers())
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _end_stream(send: Send) -> None:
+    with contextlib.suppress(Exception):
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _respond(send: Send, status: int, body: bytes,
+                   content_type: bytes = b"application/json",
+                   headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    head = headers or [(b"content-type", content_type)]
+    head.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,100 @@
+"""`appliance gateway`: the data plane's process (unit `appliance-gateway.service`).
+
+It shares the database with the control plane but nothing else: restarting either never
+cuts the other's connections, and the engine outlives both. READY=1 goes to systemd once the
+socket is bound. SIGTERM stops accepting, lets streams in flight finish for up to
+`GRACEFUL_SECONDS`, writes the usage still buffered, and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from typing import Any
+
+import uvicorn
+
+from appliance.config import Config
+from appliance.errors import ApplianceError
+from appliance.gateway.app import GatewayApp
+from appliance.gateway.parts import GatewayParts, build_gateway
+from appliance.sdnotify import notify, watchdog_interval
+from appliance.server import OwnSignalsServer, watchdog_loop
+
+log = logging.getLogger(__name__)
+GRACEFUL_SECONDS = 60
+
+
+def uvicorn_config(parts: GatewayParts) -> uvicorn.Config:
+    cfg = parts.config.gateway
+    return uvicorn.Config(
+        GatewayApp(parts), host=cfg.host, port=cfg.port,
+        ssl_certfile=str(cfg.tls_cert) if cfg.tls_cert else None,
+        ssl_keyfile=str(cfg.tls_key) if cfg.tls_key else None,
+        log_config=None, access_log=False, server_header=False, date_header=False,
+        proxy_headers=False, lifespan="on", timeout_graceful_shutdown=GRACEFUL_SECONDS,
+        limit_concurrency=None, backlog=4096,
+        h11_max_incomplete_event_size=64 * 1024,  # bounds the headers a client may send
+    )
+
+
+async def _announce(server: OwnSignalsServer, url: str) -> None:
+    while not server.started:
+        if server.should_exit:
+            return
+        await asyncio.sleep(0.05)
+    notify(f"READY=1\nSTATUS=gateway on {url}")
+    log.info("gateway ready on %s (pid %d)", url, os.getpid())
+
+
+async def serve_gateway(parts: GatewayParts) -> None:
+    cfg = parts.config.gateway
+    server = OwnSignalsServer(uvicorn_config(parts))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    url = f"{'https' if cfg.tls_cert else 'http'}://{cfg.host}:{cfg.port}"
+    tasks: list[asyncio.Task[Any]] = [asyncio.create_task(_announce(server, url))]
+    interval = watchdog_interval()
+    if interval:
+        tasks.append(asyncio.create_task(watchdog_loop(interval)))
+    try:
+        await server.serve()
+    except SystemExit:
+        raise ApplianceError(
+            "bind_failed", f"could not listen on {cfg.host}:{cfg.port}",
+            "another program holds the port (`ss -ltnp`), or choose gateway.port",
+            exit_code=75) from None
+    finally:
+        for task in tasks:
+            task.cancel()
+    if not server.started:
+        raise ApplianceError("startup_failed", f"the gateway did not start on {url}",
+                             "read the lines above for the cause", exit_code=70)
+    notify("STOPPING=1\nSTATUS=shutting down")
+
+
+def run_gateway(config: Config, **overrides: Any) -> int:
+    """Run the gateway until SIGTERM; `overrides` go to `build_gateway`."""
+    from appliance.db.schema import check_schema
+    from appliance.resources import migrations_dir
+
+    parts = build_gateway(config, **overrides)
+    check_schema(parts.db, migrations_dir())
+    try:
+        _use_uvloop()
+        asyncio.run(serve_gateway(parts))
+    finally:
+        parts.db.dispose()
+    return 0
+
+
+def _use_uvloop() -> None:
+    """uvloop when installed (it is a dependency): the gateway's hot path is the loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())

@@ -1,0 +1,53 @@
+"""The gateway's client to the engine on 127.0.0.1: one aiohttp session with a keep-alive
+pool, opened when the gateway starts.
+
+aiohttp's client rather than httpx's: for a streaming passthrough it was measured several
+times faster on these machines (see benchmarks/gateway_throughput.py), and the gateway's
+whole budget is a millisecond. Timeouts: connecting must take under 5 s; the first byte and
+every later read may take up to `read_timeout` (a long prompt's prefill, a busy engine).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+
+CONNECT_TIMEOUT = 5.0
+
+
+class Upstream:
+    def __init__(self, base_url: str, read_timeout: float) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.read_timeout = read_timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=None)
+        self._session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT,
+                                          sock_read=self.read_timeout))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the gateway's upstream client is not started")
+        return self._session
+
+    def request(self, method: str, path: str, body: bytes | None,
+                headers: dict[str, str]) -> Any:
+        """An aiohttp request context (`async with upstream.request(...) as response`)."""
+        return self.session.request(method, self.base_url + path, data=body, headers=headers,
+                                    allow_redirects=False)
+
+    async def get_json(self, path: str, timeout: float = 5.0) -> Any:
+        async with self.session.get(self.base_url + path,
+                                    timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+            response.raise_for_status()
+            return await response.json(content_type=None)

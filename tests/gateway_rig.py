@@ -1,0 +1,138 @@
+"""Test rig for the gateway: the real GatewayApp under uvicorn on 127.0.0.1 in a thread of
+the test process, in front of the real engine emulator (a subprocess), over a real database.
+
+The test stands in for the control plane where the gateway reads it: it publishes the
+engine's state with `appliance.engine.publish.write_published`, exactly the row the daemon
+writes, and creates keys with the key store the console uses.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from appliance.config import Config
+from appliance.db.database import Database
+from appliance.engine.publish import write_published
+from appliance.gateway.app import GatewayApp
+from appliance.gateway.keys import KeyLimits, create_key
+from appliance.gateway.parts import GatewayParts, build_gateway
+from appliance.secrets import server_secret
+from tests.conftest import wait_for
+from tests.test_fake_sglang import Emulator
+
+MODEL = "kimi-k3"
+
+
+class LiveGateway:
+    def __init__(self, config: Config, db: Database, engine_url: str,
+                 **overrides: Any) -> None:
+        self.config, self.db = config, db
+        self.parts: GatewayParts = build_gateway(config, db=db, engine_url=engine_url,
+                                                 poll_interval=0.1, **overrides)
+        self.port = config.gateway.port
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(
+            GatewayApp(self.parts), host="127.0.0.1", port=self.port, log_config=None,
+            access_log=False, lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> LiveGateway:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("gateway did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+    # --- standing in for the control plane -----------------------------------------------------
+
+    def publish(self, state: str, message: str = "", eta: float | None = None) -> None:
+        now = dt.datetime.now(dt.UTC)
+        self.db.call(lambda s: write_published(s, state, message or state, eta, now))
+
+    def wait_admitting(self, admitting: bool = True) -> None:
+        def seen() -> bool:
+            body = httpx.get(f"{self.url}/health", timeout=5).json()
+            return bool(body["admitting"]) is admitting
+        wait_for(seen, f"the gateway to {'admit' if admitting else 'stop admitting'}")
+
+    def key(self, name: str = "alice", **limits: int | None) -> str:
+        secret = server_secret(self.config.paths.state_dir)
+        now = dt.datetime.now(dt.UTC)
+        key, _ = self.db.call(lambda s: create_key(s, secret, name=name, owner="tests",
+                                                   by="tests", now=now,
+                                                   limits=KeyLimits(**limits)))
+        return key
+
+    def usage_rows(self, count: int) -> list[Any]:
+        """The usage rows, once `count` records have been written (the writer runs each
+        second), in the order the requests finished."""
+        from sqlalchemy import select
+
+        from appliance.db.models import UsageRequest
+
+        wait_for(lambda: self.parts.recorder.written >= count, f"{count} usage records", 15)
+        return self.db.call(lambda s: [
+            (r.key_id, r.endpoint, r.stream, r.status, r.outcome, r.prompt_tokens,
+             r.completion_tokens, r.cached_tokens, r.history)
+            for r in s.scalars(select(UsageRequest).order_by(UsageRequest.id))])
+
+
+def model_root(tmp: Path) -> Path:
+    """A small checkpoint the emulator can load (K3's config, three tiny shards)."""
+    import json
+    import os
+
+    root = tmp / "model"
+    root.mkdir(parents=True, exist_ok=True)
+    for index in range(1, 4):
+        (root / f"model-{index:05d}-of-00003.safetensors").write_bytes(os.urandom(1 << 20))
+    (root / "config.json").write_text(json.dumps({
+        "model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
+        "text_config": {"max_position_embeddings": 262144},
+        "quantization_config": {"quant_method": "compressed-tensors"}}))
+    return root
+
+
+def start_engine(tmp_path_factory: pytest.TempPathFactory, *flags: str,
+                 token_seconds: float = 0.002) -> Emulator:
+    """The engine emulator serving MODEL with at most 4 running requests, ready."""
+    root = tmp_path_factory.mktemp("engine")
+    emu = Emulator(root, [str(model_root(root)), "--served-model-name", MODEL,
+                          "--max-running-requests", "4", "--enable-cache-report",
+                          "--tp-size", "8", "--dcp-size", "8", *flags],
+                   FAKE_SGLANG_FAULT=f"slow_tokens={token_seconds}")
+    emu.wait_ready()
+    return emu
+
+
+def stop_engine(emu: Emulator) -> None:
+    import signal
+
+    emu.proc.send_signal(signal.SIGTERM)
+    emu.kill()
+
+
+def emulator_stats(engine: Emulator) -> dict[str, int]:
+    return dict(httpx.get(f"{engine.url}/emulator/stats", timeout=5).json())
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def chat_body(content: str = "hi", **extra: object) -> dict[str, object]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
