@@ -29,8 +29,10 @@ from litestar.template import TemplateConfig
 
 from appliance import __version__
 from appliance.api.engine import engine_router
+from appliance.api.keys import keys_router
 from appliance.api.routes import api_router
 from appliance.api.tuning import tuning_router
+from appliance.api.usage import usage_router
 from appliance.api.weights import weights_router
 from appliance.auth.middleware import CSRF_COOKIE, PUBLIC_PATHS, AdminAuthMiddleware
 from appliance.engine.schedule import restore_scheduled
@@ -145,6 +147,8 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
             engine_router(),
             weights_router(),
             tuning_router(),
+            usage_router(),
+            keys_router(),
             create_static_files_router(path="/static", directories=[static_dir()],
                                        include_in_schema=False),
         ],

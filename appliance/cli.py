@@ -292,7 +292,8 @@ def cmd_gateway(args: argparse.Namespace, config: Config) -> int:
 
 
 HANDLERS: dict[str, Handler] = {
-    "serve": cmd_serve, "gateway": cmd_gateway, "migrate": cmd_migrate, "admin": cmd_admin, "token": cmd_token,
+    "serve": cmd_serve, "gateway": cmd_gateway, "migrate": cmd_migrate, "admin": cmd_admin,
+    "token": cmd_token,
     "engine": cmd_engine, "weights": cmd_weights, "tune": cmd_tune, "keys": cmd_keys,
 }
 

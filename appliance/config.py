@@ -272,7 +272,9 @@ def _host(value: str) -> str | None:
 class GatewayConfig:
     """The data plane: the OpenAI-compatible endpoint users reach (`appliance gateway`)."""
 
-    host: str = _key("0.0.0.0", _host, "address the gateway binds (users reach it here)")
+    # Users on the LAN reach the gateway; every request needs an API key.
+    host: str = _key("0.0.0.0", _host,  # noqa: S104
+                     "address the gateway binds (users reach it here)")
     port: int = _key(8000, _port, "TCP port of the OpenAI-compatible endpoint")
     max_concurrency: int = _key(0, _nonnegative, "requests forwarded at once; 0: the "
                                 "engine's max_running_requests from /server_info")

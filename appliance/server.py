@@ -9,11 +9,9 @@ gates a ping. SIGTERM and SIGINT start a graceful shutdown; the process then exi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
-from collections.abc import Generator
 
 import uvicorn
 
@@ -22,17 +20,9 @@ from appliance.db.journal import add_event
 from appliance.errors import ApplianceError
 from appliance.runtime import Runtime
 from appliance.sdnotify import notify, watchdog_interval
+from appliance.serving import OwnSignalsServer, watchdog_loop
 
 log = logging.getLogger(__name__)
-
-
-class OwnSignalsServer(uvicorn.Server):
-    """uvicorn without its own signal capture: the daemon installs handlers on its loop and
-    does not want the signal re-raised after shutdown (it would skip our cleanup)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
 
 
 def _record(runtime: Runtime, severity: str, message: str) -> None:
@@ -53,12 +43,6 @@ async def _announce_ready(server: OwnSignalsServer, runtime: Runtime) -> None:
                             f"daemon {runtime.version} started (pid {os.getpid()}) on {url}")
     notify(f"READY=1\nSTATUS=admin console on {url}")
     log.info("appliance %s ready on %s", runtime.version, url)
-
-
-async def watchdog_loop(interval: float) -> None:
-    while True:
-        notify("WATCHDOG=1")
-        await asyncio.sleep(interval)
 
 
 async def run_server(runtime: Runtime) -> None:

@@ -45,7 +45,8 @@ def free_port() -> int:
 
 def make_config(root: Path, **env: str) -> Config:
     """A dev-profile config under `root`, on a free port, with extra APPLIANCE_* values."""
-    values = {"APPLIANCE_SERVER_PORT": str(free_port()), **env}
+    values = {"APPLIANCE_SERVER_PORT": str(free_port()),
+              "APPLIANCE_GATEWAY_PORT": str(free_port()), **env}
     return load_config(dev=True, dev_root=root, env=values)
 
 
@@ -204,3 +205,25 @@ def run_cli(*args: str, env: dict[str, str] | None = None, input: str | None = N
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "appliance", *args], capture_output=True,
                           text=True, env=full_env, input=input, timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def gateway_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The engine emulator the gateway tests of one module share (tests/gateway_rig.py)."""
+    from tests.gateway_rig import start_engine, stop_engine
+
+    emu = start_engine(tmp_path_factory)
+    yield emu
+    stop_engine(emu)
+
+
+@pytest.fixture
+def gateway(config: Config, db: Database, gateway_engine: Any) -> Iterator[Any]:
+    """The gateway in front of `gateway_engine`, with the engine published as ready."""
+    from tests.gateway_rig import LiveGateway
+
+    live = LiveGateway(config, db, gateway_engine.url).start()
+    live.publish("ready", "serving")
+    live.wait_admitting()
+    yield live
+    live.stop()

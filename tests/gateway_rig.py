@@ -113,6 +113,7 @@ def start_engine(tmp_path_factory: pytest.TempPathFactory, *flags: str,
     root = tmp_path_factory.mktemp("engine")
     emu = Emulator(root, [str(model_root(root)), "--served-model-name", MODEL,
                           "--max-running-requests", "4", "--enable-cache-report",
+                          "--reasoning-parser", "kimi_k3", "--tool-call-parser", "kimi_k3",
                           "--tp-size", "8", "--dcp-size", "8", *flags],
                    FAKE_SGLANG_FAULT=f"slow_tokens={token_seconds}")
     emu.wait_ready()

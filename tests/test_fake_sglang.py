@@ -342,7 +342,8 @@ def test_chat_and_completions_streaming_and_not(ready: Emulator) -> None:
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-        text = "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks if c["choices"])
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                       if c["choices"])
         assert len(text.split()) == 7
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 7
         assert chunks[-2]["choices"][0]["finish_reason"] == "length"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -17,38 +17,15 @@ import pytest
 from appliance.config import Config
 from appliance.db.database import Database
 from appliance.gateway.keys import revoke_key
-from tests.conftest import free_port, make_config, wait_for
+from tests.conftest import make_config, wait_for
 from tests.gateway_rig import (
     MODEL,
     LiveGateway,
     auth,
     chat_body,
     emulator_stats,
-    start_engine,
-    stop_engine,
 )
 from tests.test_fake_sglang import Emulator
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
-    emu = start_engine(tmp_path_factory)
-    yield emu
-    stop_engine(emu)
-
-
-@pytest.fixture
-def config(tmp_path: Path) -> Config:
-    return make_config(tmp_path / "appliance", APPLIANCE_GATEWAY_PORT=str(free_port()))
-
-
-@pytest.fixture
-def gateway(config: Config, db: Database, engine: Emulator) -> Iterator[LiveGateway]:
-    live = LiveGateway(config, db, engine.url).start()
-    live.publish("ready", "serving")
-    live.wait_admitting()
-    yield live
-    live.stop()
 
 
 def client(gateway: LiveGateway, key: str) -> openai.OpenAI:
@@ -103,8 +80,8 @@ def test_models_list_needs_a_key_and_names_the_served_model(gateway: LiveGateway
 
 
 def test_a_burst_never_exceeds_the_engines_running_limit(gateway: LiveGateway,
-                                                          engine: Emulator) -> None:
-    httpx.post(f"{engine.url}/emulator/stats/reset", timeout=5)
+                                                          gateway_engine: Emulator) -> None:
+    httpx.post(f"{gateway_engine.url}/emulator/stats/reset", timeout=5)
     key = gateway.key()
     assert gateway.parts.admission.limit == 4  # learned from the engine's /server_info
 
@@ -117,7 +94,7 @@ def test_a_burst_never_exceeds_the_engines_running_limit(gateway: LiveGateway,
             return [r.status_code for r in replies]
 
     assert asyncio.run(burst()) == [200] * 24
-    stats = emulator_stats(engine)
+    stats = emulator_stats(gateway_engine)
     assert stats["peak_running"] == 4  # full use of the engine, never more
     assert stats["waiting"] == 0
 
@@ -157,28 +134,27 @@ def test_a_revoked_key_is_refused_at_the_next_poll(gateway: LiveGateway) -> None
 
 
 def test_client_disconnect_aborts_the_engine_request_and_frees_the_slot(
-        gateway: LiveGateway, engine: Emulator) -> None:
+        gateway: LiveGateway, gateway_engine: Emulator) -> None:
     key = gateway.key()
-    before = emulator_stats(engine)["aborted_total"]
+    before = emulator_stats(gateway_engine)["aborted_total"]
     with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", headers=auth(key),
                       json=chat_body("long one", max_tokens=5000, stream=True,
                                      ignore_eos=True), timeout=30) as reply:
         lines = reply.iter_lines()
         assert next(lines).startswith("data:")
-    wait_for(lambda: emulator_stats(engine)["aborted_total"] == before + 1, "the abort")
+    wait_for(lambda: emulator_stats(gateway_engine)["aborted_total"] == before + 1, "the abort")
     wait_for(lambda: gateway.parts.admission.in_use == 0, "the slot to be free")
     rows = gateway.usage_rows(1)
     assert rows[-1][3:5] == (499, "client_closed")
 
 
 def test_queue_full_and_queue_timeout_answer_429_with_retry_after(
-        tmp_path: Path, engine: Emulator) -> None:
-    config = make_config(tmp_path / "q", APPLIANCE_GATEWAY_PORT=str(free_port()),
-                         APPLIANCE_GATEWAY_MAX_CONCURRENCY="1",
+        tmp_path: Path, gateway_engine: Emulator) -> None:
+    config = make_config(tmp_path / "q", APPLIANCE_GATEWAY_MAX_CONCURRENCY="1",
                          APPLIANCE_GATEWAY_QUEUE_MAX="1",
                          APPLIANCE_GATEWAY_QUEUE_WAIT_SECONDS="1")
     db = migrated(config)
-    live = LiveGateway(config, db, engine.url).start()
+    live = LiveGateway(config, db, gateway_engine.url).start()
     try:
         live.publish("ready")
         live.wait_admitting()
@@ -225,3 +201,38 @@ async def wait_async(check: Callable[[], bool], timeout: float = 20) -> None:
         if time.monotonic() > deadline:
             pytest.fail("gave up waiting")
         await asyncio.sleep(0.02)
+
+
+def test_two_keys_share_a_busy_engine_fairly(tmp_path: Path, gateway_engine: Emulator) -> None:
+    """Key A queues ten requests, then key B two: B's go round-robin with A's instead of
+    behind all of them (the ring is unit-tested in test_gateway_admission)."""
+    config = make_config(tmp_path / "fair", APPLIANCE_GATEWAY_MAX_CONCURRENCY="2")
+    db = migrated(config)
+    live = LiveGateway(config, db, gateway_engine.url).start()
+    try:
+        live.publish("ready")
+        live.wait_admitting()
+        busy, polite = live.key("busy"), live.key("polite")
+        work = chat_body("fair share", max_tokens=60, ignore_eos=True)
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient(base_url=live.url, timeout=60) as http:
+                flood = [asyncio.create_task(http.post("/v1/chat/completions",
+                                                       headers=auth(busy), json=work))
+                         for _ in range(10)]
+                await wait_async(lambda: live.parts.admission.waiting == 8)
+                late = [asyncio.create_task(http.post("/v1/chat/completions",
+                                                      headers=auth(polite), json=work))
+                        for _ in range(2)]
+                replies = await asyncio.gather(*flood, *late)
+                assert [r.status_code for r in replies] == [200] * 12
+
+        asyncio.run(scenario())
+        rows = live.usage_rows(12)  # in the order the requests finished
+        finished = [row[0] for row in rows]
+        polite_id = max(finished)  # created second
+        last_polite = max(i for i, key in enumerate(finished) if key == polite_id)
+        assert last_polite < 8, finished  # not behind the busy key's whole backlog
+    finally:
+        live.stop()
+        db.dispose()

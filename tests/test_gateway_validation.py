@@ -14,8 +14,7 @@ import httpx
 import pytest
 
 from appliance.config import Config
-from appliance.db.database import Database
-from tests.conftest import free_port, make_config
+from tests.conftest import make_config
 from tests.gateway_rig import (
     MODEL,
     LiveGateway,
@@ -31,7 +30,7 @@ CONTEXT = 4096  # the engine below runs with --context-length 4096
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+def gateway_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
     emu = start_engine(tmp_path_factory, "--context-length", str(CONTEXT))
     yield emu
     stop_engine(emu)
@@ -39,17 +38,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
 
 @pytest.fixture
 def config(tmp_path: Path) -> Config:
-    return make_config(tmp_path / "appliance", APPLIANCE_GATEWAY_PORT=str(free_port()),
-                       APPLIANCE_GATEWAY_MAX_BODY_MIB="1")
-
-
-@pytest.fixture
-def gateway(config: Config, db: Database, engine: Emulator) -> Iterator[LiveGateway]:
-    live = LiveGateway(config, db, engine.url).start()
-    live.publish("ready")
-    live.wait_admitting()
-    yield live
-    live.stop()
+    return make_config(tmp_path / "appliance", APPLIANCE_GATEWAY_MAX_BODY_MIB="1")
 
 
 def post(gateway: LiveGateway, key: str | None, content: bytes | str | dict[str, object],
@@ -88,15 +77,15 @@ CASES = [
 
 @pytest.mark.parametrize(("case", "body", "status", "code"), CASES, ids=[c[0] for c in CASES])
 def test_bad_requests_get_a_clear_4xx_and_never_reach_the_engine(
-        gateway: LiveGateway, engine: Emulator, case: str, body: object, status: int,
+        gateway: LiveGateway, gateway_engine: Emulator, case: str, body: object, status: int,
         code: str) -> None:
     key = gateway.key()
-    before = emulator_stats(engine)["requests_total"]
+    before = emulator_stats(gateway_engine)["requests_total"]
     reply = post(gateway, key, body)  # type: ignore[arg-type]
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
     assert error["code"] == code and error["message"] and error["type"]
-    assert emulator_stats(engine)["requests_total"] == before
+    assert emulator_stats(gateway_engine)["requests_total"] == before
     rows = gateway.usage_rows(1)
     assert rows[-1][3:5] == (status, code)  # counted
     metrics = httpx.get(f"{gateway.url}/metrics").text
@@ -104,9 +93,10 @@ def test_bad_requests_get_a_clear_4xx_and_never_reach_the_engine(
         f'status="{status}",outcome="{code}"' in metrics or code in metrics
 
 
-def test_oversized_body_413_before_it_is_read(gateway: LiveGateway, engine: Emulator) -> None:
+def test_oversized_body_413_before_it_is_read(gateway: LiveGateway,
+                                              gateway_engine: Emulator) -> None:
     key = gateway.key()
-    before = emulator_stats(engine)["requests_total"]
+    before = emulator_stats(gateway_engine)["requests_total"]
     big = chat_body("x" * (2 << 20))
     reply = post(gateway, key, big)
     assert reply.status_code == 413
@@ -118,7 +108,7 @@ def test_oversized_body_413_before_it_is_read(gateway: LiveGateway, engine: Emul
     reply = httpx.post(f"{gateway.url}/v1/chat/completions", content=chunks(),
                        headers={"content-type": "application/json", **auth(key)}, timeout=30)
     assert reply.status_code == 413
-    assert emulator_stats(engine)["requests_total"] == before
+    assert emulator_stats(gateway_engine)["requests_total"] == before
 
 
 def test_key_and_route_errors(gateway: LiveGateway) -> None:
@@ -174,7 +164,7 @@ def test_huge_headers_and_slow_clients_get_no_500(gateway: LiveGateway) -> None:
 
 
 def test_the_engines_own_refusal_comes_back_in_openais_shape(gateway: LiveGateway,
-                                                             engine: Emulator) -> None:
+                                                             gateway_engine: Emulator) -> None:
     """Too close to call without a tokenizer: forwarded, and SGLang's flat error is rewrapped
     into OpenAI's shape with the same code the gateway would have used."""
     key = gateway.key()

@@ -15,6 +15,7 @@ import contextlib
 import datetime as dt
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session
 
@@ -22,7 +23,9 @@ from appliance.clock import Clock
 from appliance.db.database import Database
 from appliance.db.models import EngineStatusRow
 from appliance.engine.states import EngineState, admits_requests
-from appliance.engine.supervisor import EngineStatus
+
+if TYPE_CHECKING:  # the gateway imports this module; it must not load the supervisor
+    from appliance.engine.supervisor import EngineStatus
 
 log = logging.getLogger(__name__)
 ROW_ID = 1
@@ -80,10 +83,9 @@ class StatusPublisher:
 
     async def _flush(self) -> None:
         while self._latest is not None and self._latest != self._written:
-            latest, at = self._latest, self.clock.now()
+            latest = self._latest
             try:
-                await self.db.run(lambda s: write_published(s, *latest, at))
-                self._written = latest
+                await self._write(latest)
             except Exception:
                 log.exception("could not publish the engine state for the gateway")
             await asyncio.sleep(self.interval)
@@ -95,6 +97,9 @@ class StatusPublisher:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         if self._latest is not None and self._latest != self._written:
-            latest, at = self._latest, self.clock.now()
-            await self.db.run(lambda s: write_published(s, *latest, at))
-            self._written = latest
+            await self._write(self._latest)
+
+    async def _write(self, latest: tuple[str, str, float | None]) -> None:
+        at = self.clock.now()
+        await self.db.run(lambda s: write_published(s, *latest, at))
+        self._written = latest

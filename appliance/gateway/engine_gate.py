@@ -70,9 +70,11 @@ class EngineGate:
     def refusal(self) -> GatewayError | None:
         return None if self.open else unavailable(self.published)
 
-    async def refresh(self) -> bool:
-        """Poll once; True when the concurrency limit changed."""
-        self.published = await self.db.run(read_published)
+    async def refresh(self, published: Published | None = None,
+                      polled: bool = False) -> bool:
+        """Take the newest published state (read here unless `polled`); True when the
+        concurrency limit changed."""
+        self.published = published if polled else await self.db.run(read_published)
         serving = self.published is not None and self.published.admits_requests
         if not serving:
             self.open = False

@@ -26,6 +26,9 @@ from appliance.secrets import keyed_hash
 KEY_RE = re.compile(r"^sk-([0-9a-f]{8})-([A-Za-z0-9_-]{43})$")
 NAME_RE = re.compile(r"^[\w .@-]{1,64}$")
 OWNER_MAX = 128
+# The largest value each limit's column holds (Integer, BigInteger for tokens_per_day).
+LIMIT_MAX = {"max_concurrency": 2**31 - 1, "requests_per_minute": 2**31 - 1,
+             "tokens_per_day": 2**63 - 1, "max_tokens": 2**31 - 1}
 
 
 @dataclass(frozen=True)
@@ -39,9 +42,14 @@ class KeyLimits:
     max_tokens: int | None = None
 
     def problems(self) -> list[str]:
-        return [f"{name} must be a positive integer or empty (no limit)"
+        """What is wrong with each limit: each must be a whole number from 1 up to what its
+        column holds (32-bit, 64-bit for tokens_per_day), so a bad value never reaches the
+        database as an overflow."""
+        return [f"{name} must be a whole number from 1 to {LIMIT_MAX[name]}, or empty "
+                "(no limit)"
                 for name, value in self.__dict__.items()
-                if value is not None and (isinstance(value, bool) or value < 1)]
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                          or not 1 <= value <= LIMIT_MAX[name])]
 
 
 @dataclass(frozen=True)
@@ -118,6 +126,7 @@ def create_key(session: Session, secret: bytes, *, name: str, owner: str, by: st
                limits: KeyLimits | None = None) -> tuple[str, KeyInfo]:
     """Create a key; returns (the key, shown once; its record)."""
     limits = limits or KeyLimits()
+    name, owner = name.strip(), owner.strip()
     if not NAME_RE.match(name):
         raise ApplianceError(
             "key_name_invalid", f"key name {name!r} is not allowed",
@@ -135,7 +144,7 @@ def create_key(session: Session, secret: bytes, *, name: str, owner: str, by: st
         prefix = secrets.token_hex(4)
     key = f"sk-{prefix}-{secrets.token_urlsafe(32)}"
     row = GatewayKey(
-        name=name, owner=owner.strip(), prefix=prefix, key_hash=keyed_hash(secret, key),
+        name=name, owner=owner, prefix=prefix, key_hash=keyed_hash(secret, key),
         created_at=now, created_by=by, changed_at=now, expires_at=expires_at, revoked_by="",
         max_concurrency=limits.max_concurrency, requests_per_minute=limits.requests_per_minute,
         tokens_per_day=limits.tokens_per_day, max_tokens=limits.max_tokens)

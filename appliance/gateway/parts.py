@@ -13,9 +13,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from sqlalchemy.orm import Session
+
 from appliance.clock import Clock, SystemClock
 from appliance.config import Config
 from appliance.db.database import Database
+from appliance.engine.publish import Published, read_published
 from appliance.gateway.admission import Admission
 from appliance.gateway.engine_gate import FALLBACK_LIMIT, EngineGate
 from appliance.gateway.history import HistoryTracker
@@ -67,8 +70,15 @@ class GatewayParts:
         await self.upstream.close()
 
     async def poll_once(self) -> None:
-        await self.keys.refresh()
-        if await self.gate.refresh() and self.gate.limit:
+        """One transaction for both: the key table's fingerprint (and the keys, when it
+        moved) and the engine's published state."""
+
+        def read(session: Session) -> Published | None:
+            self.keys.refresh_in(session)
+            return read_published(session)
+
+        published = await self.db.run(read)
+        if await self.gate.refresh(published, polled=True) and self.gate.limit:
             self.admission.set_limit(self.gate.limit)
             log.info("admitting up to %d requests at once", self.gate.limit)
 

@@ -21,7 +21,7 @@ from appliance.errors import ApplianceError
 from appliance.gateway.app import GatewayApp
 from appliance.gateway.parts import GatewayParts, build_gateway
 from appliance.sdnotify import notify, watchdog_interval
-from appliance.server import OwnSignalsServer, watchdog_loop
+from appliance.serving import OwnSignalsServer, watchdog_loop
 
 log = logging.getLogger(__name__)
 GRACEFUL_SECONDS = 60

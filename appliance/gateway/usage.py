@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TypeVar
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, insert, select
 from sqlalchemy.orm import Session
 
 from appliance.db.models import UsageDaily, UsageHourly, UsageRequest
@@ -60,7 +60,9 @@ def write_batch(session: Session, records: Sequence[UsageRecord]) -> None:
     """Insert the records and add them to their hourly and daily roll-ups."""
     if not records:
         return
-    session.add_all(UsageRequest(**asdict(r)) for r in records)
+    # One executemany through Core: the ORM's unit of work costs several times more per row,
+    # and the gateway writes every request.
+    session.execute(insert(UsageRequest), [asdict(r) for r in records])
     _add_to_rollup(session, UsageHourly, hour_of, records)
     _add_to_rollup(session, UsageDaily, day_of, records)
 

@@ -55,6 +55,9 @@ from appliance.tuning.recommend import Recommendation, recommend
 HIGH_WATER = 0.9
 PERCENTILES = (10.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0, 100.0)
 Pool = Literal["kv", "state"]
+# Where lengths and concurrency came from: the engine log alone, the gateway's records alone
+# (no pool levels, so nothing about saturation), or records with the log's saturation.
+Source = Literal["log", "records", "records+log"]
 
 
 class ObservedError(ApplianceError):
@@ -148,7 +151,8 @@ class ObservedWorkload:
 
     `samples` counts the observations behind `lengths` (decode lines or records);
     `busy_samples`, `kv_first`, `state_first` count the saturation evidence;
-    `concurrency` is (time as printed or ISO 8601, live requests) in time order.
+    `concurrency` is (time as printed or ISO 8601, live requests) in time order;
+    `source` says which input `lengths` and the saturation came from (`source_note`, in words).
     """
 
     lengths: LengthDistribution
@@ -160,6 +164,7 @@ class ObservedWorkload:
     kv_first: int = 0
     state_first: int = 0
     concurrency: tuple[tuple[str, int], ...] = ()
+    source: Source = "log"
 
     def to_dict(self) -> dict[str, Any]:
         data = dict(self.__dict__)
@@ -243,18 +248,25 @@ def from_records(records: Iterable[RequestRecord]) -> ObservedWorkload:
     return ObservedWorkload(
         lengths=weighted_distribution(values),
         peak_concurrency=max((n for _, n in concurrency), default=0), samples=len(items),
-        saturated_first=None, source_note=note, concurrency=concurrency)
+        saturated_first=None, source_note=note, concurrency=concurrency, source="records")
 
 
 def observe(*, log_text: str | None = None, records: Iterable[RequestRecord] | None = None,
             kv_capacity: int | None = None, max_running_requests: int | None = None,
             high_water: float = HIGH_WATER) -> ObservedWorkload:
     """Both sources together: lengths and concurrency from the records when there are any
-    (exact), saturation from the log; the peak is the larger of the two."""
-    from_engine = (from_log(log_text, kv_capacity=kv_capacity,
-                            max_running_requests=max_running_requests, high_water=high_water)
-                   if log_text is not None else None)
+    (exact), saturation from the log; the peak is the larger of the two. A log without decode
+    lines does not hide the records."""
     items = list(records or ())
+    from_engine: ObservedWorkload | None = None
+    if log_text is not None:
+        try:
+            from_engine = from_log(log_text, kv_capacity=kv_capacity,
+                                   max_running_requests=max_running_requests,
+                                   high_water=high_water)
+        except ObservedError:
+            if not items:
+                raise
     if not items:
         if from_engine is None:
             raise ObservedError("no engine log and no request records were given",
@@ -270,7 +282,8 @@ def observe(*, log_text: str | None = None, records: Iterable[RequestRecord] | N
         source_note=f"{gateway.source_note}; saturation from {from_engine.samples} decode "
                     "samples of the engine log",
         busy_samples=from_engine.busy_samples, kv_first=from_engine.kv_first,
-        state_first=from_engine.state_first, concurrency=gateway.concurrency)
+        state_first=from_engine.state_first, concurrency=gateway.concurrency,
+        source="records+log")
 
 
 @dataclass(frozen=True)
@@ -300,6 +313,9 @@ def advise(observed: ObservedWorkload, geometry: Geometry, launch: Launch, budge
         count = observed.kv_first if observed.saturated_first == "kv" else observed.state_first
         parts.append(f"the {pool} pool saturated first in {count} of {observed.busy_samples} "
                      "busy samples")
+    elif observed.source == "records":
+        parts.append(f"peak {observed.peak_concurrency} concurrent requests in "
+                     f"{observed.samples} gateway requests (their records carry no pool levels)")
     elif observed.busy_samples == 0 and observed.kv_first == observed.state_first == 0:
         parts.append(f"no pool reached high water (peak {observed.peak_concurrency} "
                      "concurrent requests)")

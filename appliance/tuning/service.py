@@ -5,6 +5,11 @@ would get now (the supervisor's launch spec, so operator flags count), and the p
 measured from the engine's last startup log when there was one, else estimated from GPU
 memory, the weights' size and `--mem-fraction-static`, and labelled as an estimate.
 
+The observed workload prefers the gateway's per-request records (exact lengths and
+concurrency) once there are `MIN_RECORDS` successful generations since the engine's latest run
+began (the last day when no run is recorded; the newest `MAX_RECORDS` of them); the engine
+log's decode lines give the saturation, and the lengths when the records are too few.
+
 Applying a choice records it (`tuning_choice`) and hands the supervisor the flags it adds to
 the launch spec's tuning layer (`--mamba-full-memory-ratio`, and `--max-mamba-cache-size` for a
 pin); the restart that makes it real is the operator's, now or in a maintenance window.
@@ -13,16 +18,23 @@ pin); the restart that makes it real is the operator's, now or in a maintenance 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
 from appliance.clock import Clock
 from appliance.config import Config
 from appliance.db.database import Database
+from appliance.db.models import UsageRequest
 from appliance.engine.args import LaunchSpec, model_dir
+from appliance.engine.records import list_runs
 from appliance.errors import ApplianceError
+from appliance.gateway.usage import OK_OUTCOMES, UsageRecord, records_between
 from appliance.gpu.port import GpuPort, snapshot_with_timeout
 from appliance.tuning import store
 from appliance.tuning.budget import Budget, budget_from_log, estimate_budget, settings_from_log
@@ -40,6 +52,10 @@ DEFAULT_PROFILE = "balanced"
 K3_WEIGHT_BYTES = 1_560 * 10**9  # assumed before a manifest says how big the weights are
 B300_BYTES = 288 * 10**9  # an estimate's GPU size when NVML cannot say (the box's B300s)
 LOG_TAIL = 8 << 20  # the last startup is in the log's last few MiB
+MIN_RECORDS = 50  # gateway records before they, not the log's decode lines, give the lengths
+MAX_RECORDS = 20_000  # the newest ones: a page view reads a bounded number of rows
+RECORDS_WINDOW = dt.timedelta(hours=24)  # how far back to look when no engine run is recorded
+GENERATING = frozenset({"chat", "completions", "messages"})  # endpoints that hold KV
 
 
 @dataclass(frozen=True)
@@ -58,7 +74,7 @@ class TuningView:
     restart_needed: bool
     restart_cost: str
     problems: tuple[str, ...] = field(default=())
-    observed: Advice | None = None  # from the engine's log since its last start, if busy
+    observed: Advice | None = None  # gateway records and/or the engine log, since its start
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -164,18 +180,26 @@ class TuningService:
 
     async def observed(self, geometry: Geometry, launch: Launch, budget: Budget,
                        current_ratio: float, startup: str) -> Advice | None:
-        """The workload this box really got since the engine's last start (its `Decode
-        batch` lines), and what it advises; None before any busy decode was logged. The
-        gateway's per-request records join here once the gateway records them."""
-        text = startup
-        if not text or "Decode batch" not in text:
+        """The workload this box really got since the engine's last start, and what it
+        advises: from the gateway's records when there are `MIN_RECORDS` (with the log's
+        saturation when it has decode lines), else from the log's `Decode batch` lines; None
+        when neither has anything."""
+        records = await self.db.run(lambda s: gateway_records(s, self.clock.now()))
+        log_text = startup if "Decode batch" in startup else None
+        enough = len(records) >= MIN_RECORDS
+        if log_text is None and not enough:
             return None
         # Compare with the split the logged run really had, not the one a start would use.
-        ran_with = settings_from_log(text).get("ratio", current_ratio)
+        ran_with = settings_from_log(startup).get("ratio", current_ratio)
         try:
-            workload = await asyncio.to_thread(observe, log_text=text)
+            workload = await asyncio.to_thread(
+                lambda: observe(log_text=log_text, records=records if enough else None))
             if workload.samples == 0:
                 return None
+            if records and not enough:
+                workload = replace(workload, source_note=(
+                    f"{workload.source_note}; the gateway has recorded only {len(records)} "
+                    f"requests in this run so far ({MIN_RECORDS} give exact lengths)"))
             return await asyncio.to_thread(advise, workload, geometry, launch, budget.bytes,
                                            float(ran_with))
         except ApplianceError:
@@ -215,6 +239,21 @@ class TuningService:
         spec_hash = self.supervisor.current_spec().spec_hash
         await self.db.run(lambda s: store.record_spec_hash(s, spec_hash))
         return await self.db.run(store.get_choice) or choice
+
+
+def gateway_records(session: Session, now: dt.datetime) -> list[UsageRecord]:
+    """The gateway's successful generations (`GENERATING` endpoints, outcome ok) since the
+    engine's latest recorded run began (else the last `RECORDS_WINDOW`), the newest
+    `MAX_RECORDS` of them, oldest first."""
+    runs = list_runs(session, 1)
+    since = runs[0].started_at if runs else now - RECORDS_WINDOW
+    wanted = (UsageRequest.outcome.in_(OK_OUTCOMES), UsageRequest.endpoint.in_(GENERATING))
+    # The start of the newest MAX_RECORDS: one indexed row, so the read below stays bounded.
+    cutoff = session.scalar(
+        select(UsageRequest.started_at).where(UsageRequest.started_at >= since, *wanted)
+        .order_by(UsageRequest.started_at.desc()).offset(MAX_RECORDS - 1).limit(1))
+    return [r for r in records_between(session, max(since, cutoff or since), now)
+            if r.outcome in OK_OUTCOMES and r.endpoint in GENERATING]
 
 
 # --- pure helpers -----------------------------------------------------------------------------

@@ -12,6 +12,14 @@ from appliance.ui.engine import (
     engine_schedule_ui,
     engine_status_partial,
 )
+from appliance.ui.keys import (
+    keys_create_ui,
+    keys_limits_form,
+    keys_limits_ui,
+    keys_page,
+    keys_revoke_ui,
+    keys_row_ui,
+)
 from appliance.ui.login import change_password, login, login_page, logout, password_page
 from appliance.ui.pages import (
     audit_page,
@@ -32,6 +40,7 @@ from appliance.ui.tuning import (
     tuning_profile_update_form,
     tuning_profile_update_ui,
 )
+from appliance.ui.usage import usage_page
 from appliance.ui.weights import (
     weights_cancel_ui,
     weights_import_ui,
@@ -54,4 +63,7 @@ def ui_handlers() -> list[BaseRouteHandler]:
         tuning_page, tuning_panel, tuning_editor, tuning_apply_ui, tuning_profile_create_ui,
         tuning_profile_update_ui, tuning_profile_update_form, tuning_profile_delete_ui,
         tuning_profile_delete_form,
+        usage_page,
+        keys_page, keys_create_ui, keys_revoke_ui, keys_row_ui, keys_limits_form,
+        keys_limits_ui,
     ]

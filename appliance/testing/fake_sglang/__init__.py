@@ -11,8 +11,15 @@ light child per tensor-parallel rank and a detokenizer) that
   so the process tree's io counters move;
 - derives its memory split and capacity from the flags (`memory.py`: the formula of SGLang's
   `_handle_max_mamba_cache` over the sample log's per-rank figures);
-- binds its HTTP port only when ready, then serves the native and OpenAI endpoints with
-  deterministic, obviously synthetic text (every response carries `x-emulator: fake_sglang`);
+- binds its HTTP port only when ready, then serves the native, OpenAI and Anthropic endpoints
+  (`server.py`) with deterministic, obviously synthetic text (every response carries
+  `x-emulator: fake_sglang`): cached prompt tokens from a pretend radix cache
+  (`prefixcache.py`, reported with `--enable-cache-report`), reasoning and tool calls by fixed
+  rules (`answer.py`, `tools.py`; with `--reasoning-parser` / `--tool-call-parser`), and
+  `/v1/messages` (`anthropic.py`);
+- tells tests what its scheduler saw: `GET /emulator/stats` (running, waiting, peak running,
+  requests started, finished and aborted) and `POST /emulator/stats/reset`, an emulator-only
+  extension;
 - drains on SIGTERM like SGLang, and fails on demand (`FAKE_SGLANG_FAULT`, see `faults.py`);
 - optionally writes what its pretend GPUs hold to `FAKE_SGLANG_GPU_STATE` for the fake NVML
   adapter (`appliance.testing.fake_gpus`).

@@ -261,6 +261,18 @@ class ServeArgs:
         return self._str("api_key")
 
     @property
+    def enable_cache_report(self) -> bool:
+        return self._bool("enable_cache_report")
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        return self._str("reasoning_parser")
+
+    @property
+    def tool_call_parser(self) -> str | None:
+        return self._str("tool_call_parser")
+
+    @property
     def decode_log_interval(self) -> int:
         return max(1, self._int("decode_log_interval") or 40)
 

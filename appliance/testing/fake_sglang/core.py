@@ -8,7 +8,13 @@ fixed list, chosen by a hash of the prompt, so the same prompt always gets the s
 Without `max_tokens` an answer is 8-40 tokens long and ends with "stop"; with it, an answer
 that would run longer is cut at `max_tokens` ("length"); `ignore_eos` makes it exactly
 `max_tokens`. Prompt tokens are counted as words (plus a few per chat message), which is
-what the usage figures report.
+what the usage figures report. A caller may fix an answer's natural length (`plan(natural=)`:
+reasoning and tool calls, see `answer.py`).
+
+When a request is admitted (its prefill) the pretend radix cache (`prefixcache.py`) gives it
+its `cached_tokens`. The counters behind `GET /emulator/stats` live here too: requests
+started, finished and aborted (a client that went away, queued or running), and the most
+requests ever running at once (`peak_running`, reset by `reset_peak`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from appliance.testing.fake_sglang.args import ServeArgs
 from appliance.testing.fake_sglang.faults import Faults
 from appliance.testing.fake_sglang.logwriter import LogWriter
 from appliance.testing.fake_sglang.memory import Capacity
+from appliance.testing.fake_sglang.prefixcache import PrefixCache
 
 WORDS = (
     "emulated", "tokens", "from", "fake_sglang", "the", "appliance", "test", "instrument",
@@ -44,6 +51,24 @@ def word(seed: int, index: int) -> str:
     return text if index == 0 else " " + text
 
 
+def natural_length(seed: int) -> int:
+    """How long a text answer runs when nothing cuts it: 8-40 tokens."""
+    return 8 + seed % 33
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt as the emulator sees it: `text` seeds the answer, `ids` are its tokens (their
+    count is `prompt_tokens`; the prefix cache compares them)."""
+
+    text: str
+    ids: tuple[str, ...]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
+
+
 @dataclass
 class Request:
     rid: str
@@ -51,6 +76,9 @@ class Request:
     completion_tokens: int  # how many it will produce
     finish_reason: str  # "stop" or "length"
     seed: int
+    prompt_ids: tuple[str, ...] = ()
+    reasoning: int = 0  # the first this many generated tokens are reasoning (answer.py)
+    cached_tokens: int = 0  # set at admission by the prefix cache
     generated: int = 0
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
@@ -77,14 +105,23 @@ class Core:
         self.num_requests_total = 0
         self.num_aborted_requests_total = 0
         self.prefill_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.finished_total = 0
+        self.peak_running = 0
+        self.prefix_cache = PrefixCache()
         self._recent: deque[list[int]] = deque()  # [whole second, tokens in it]
         self._ids = itertools.count()
 
     # -- planning -------------------------------------------------------------------------
-    def plan(self, prompt: str, prompt_tokens: int, max_tokens: int | None,
-             min_tokens: int = 0, ignore_eos: bool = False) -> Request:
-        seed = seed_of(prompt)
-        natural = 8 + seed % 33
+    def plan(self, prompt: Prompt, max_tokens: int | None, min_tokens: int = 0,
+             ignore_eos: bool = False, *, natural: int | None = None,
+             reasoning: int = 0) -> Request:
+        """How many tokens the answer gets and why it ends. `natural` replaces the text
+        answer's own length (a reasoning prefix, a tool call)."""
+        seed = seed_of(prompt.text)
+        prompt_tokens = prompt.tokens
+        if natural is None:
+            natural = natural_length(seed)
         room = max(1, self.cap.context_len - prompt_tokens)
         if max_tokens is None:
             count, reason = natural, "stop"
@@ -98,7 +135,8 @@ class Core:
         if count >= room:
             count, reason = room, "length"
         return Request(rid=uuid.uuid4().hex, prompt_tokens=prompt_tokens,
-                       completion_tokens=max(0, count), finish_reason=reason, seed=seed)
+                       completion_tokens=max(0, count), finish_reason=reason, seed=seed,
+                       prompt_ids=prompt.ids, reasoning=reasoning)
 
     # -- state ----------------------------------------------------------------------------
     @property
@@ -147,15 +185,39 @@ class Core:
         """SGLang's `/ready`: started, not draining, not unhealthy."""
         return self.status == "Up" and not self.draining
 
+    def stats(self) -> dict[str, int]:
+        """`GET /emulator/stats` (an emulator-only extension, for tests)."""
+        return {"running": self.num_running, "waiting": self.num_queue,
+                "peak_running": self.peak_running, "requests_total": self.num_requests_total,
+                "finished_total": self.finished_total,
+                "aborted_total": self.num_aborted_requests_total,
+                "max_running_requests": self.cap.max_running_requests}
+
+    def reset_peak(self) -> None:
+        """Start a new peak window: the peak since now is what runs now."""
+        self.peak_running = self.num_running
+
+    def flush_cache(self) -> bool:
+        """SGLang's `/flush_cache`: refused while any request is running or waiting."""
+        if self.in_flight:
+            return False
+        self.prefix_cache.flush()
+        return True
+
     # -- the request's life ---------------------------------------------------------------
     def _admit_waiting(self) -> None:
         while self.waiting and self.num_running < self.cap.max_running_requests:
             req = self.waiting.popleft()
             self.running[req.rid] = req
+            self.peak_running = max(self.peak_running, self.num_running)
             req.admitted.set()
-            self.prefill_tokens_total += req.prompt_tokens
+            req.cached_tokens = self.prefix_cache.admit(req.prompt_ids)
+            self.cached_tokens_total += req.cached_tokens
+            new = req.prompt_tokens - req.cached_tokens
+            self.prefill_tokens_total += new
             self.log.line(
-                f"Prefill batch, #new-seq: 1, #new-token: {req.prompt_tokens}, #cached-token: 0, "
+                f"Prefill batch, #new-seq: 1, #new-token: {new}, "
+                f"#cached-token: {req.cached_tokens}, "
                 f"full token usage: {self.token_usage:.2f}, mamba usage: "
                 f"{self.state_slots_used / max(1, self.cap.state_slots):.2f}, #running-req: "
                 f"{self.num_running - 1}, #queue-req: {self.num_queue}, #pending-token: 0, "
@@ -182,6 +244,7 @@ class Core:
                 self._count_token()
                 yield word(req.seed, req.generated - 1)
             finished = True
+            self.finished_total += 1
         finally:
             if not finished:
                 self.num_aborted_requests_total += 1

@@ -1,9 +1,16 @@
-"""Request parsing and response shapes for the engine emulator's OpenAI and native endpoints.
-A test and demo instrument (`appliance.testing.fake_sglang`). Pure.
+"""Request parsing, usage and the completion and native response shapes for the engine
+emulator. A test and demo instrument (`appliance.testing.fake_sglang`). Pure. (Chat shapes:
+`chat.py`; Anthropic's: `anthropic.py`.)
 
-Shapes follow SGLang 0.5.23's `srt/entrypoints/openai/protocol.py` (ChatCompletionResponse,
-ChatCompletionStreamResponse, CompletionResponse, UsageInfo, ErrorResponse, ModelCard) so a
-client cannot tell them apart from the real engine's, except by the `x-emulator` header.
+Shapes follow SGLang 0.5.23's `srt/entrypoints/openai/protocol.py` (CompletionResponse,
+UsageInfo, ErrorResponse, ModelCard) and `usage_processor.py`, so a client cannot tell them
+apart from the real engine's, except by the `x-emulator` header.
+
+Prompt tokens: a completion prompt is its words (or its token ids); a chat prompt is each
+message's words plus 4 template tokens (`<|im_{role}|>`, `<|im_middle|>`, `<|im_content|>`
+before, `<|im_end|>` after), an assistant message's tool calls as words, the request's
+`tools` (as JSON words, in one leading system block), and a 2-token generation prompt. The
+prefix cache (`prefixcache.py`) compares exactly these tokens.
 """
 
 from __future__ import annotations
@@ -13,7 +20,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.testing.fake_sglang.core import Request
+from appliance.testing.fake_sglang.core import Prompt, Request
+
+GENERATION_PROMPT = ("<|im_assistant|>", "<|im_middle|>")
+EOS_TOKEN_ID = 163586
 
 
 class BadRequest(Exception):
@@ -28,6 +38,11 @@ def error_body(message: str, code: int = 400, kind: str = "BadRequestError",
     return {"object": "error", "message": message, "type": kind, "param": param, "code": code}
 
 
+def sse(payload: dict[str, Any]) -> str:
+    """One `data:` frame, compact JSON as pydantic and msgspec write it."""
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
 @dataclass(frozen=True)
 class Sampling:
     max_tokens: int | None
@@ -35,6 +50,7 @@ class Sampling:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False
 
 
 def _optional_int(body: dict[str, Any], *names: str) -> int | None:
@@ -56,10 +72,12 @@ def sampling(body: dict[str, Any], *, native: bool = False) -> Sampling:
     max_tokens = _optional_int(params, *names)
     min_tokens = _optional_int(params, "min_new_tokens" if native else "min_tokens") or 0
     options = body.get("stream_options")
-    include_usage = isinstance(options, dict) and options.get("include_usage") is True
+    options = options if isinstance(options, dict) else {}
     return Sampling(max_tokens=max_tokens, min_tokens=min_tokens,
                     ignore_eos=params.get("ignore_eos") is True,
-                    stream=body.get("stream") is True, include_usage=include_usage)
+                    stream=body.get("stream") is True,
+                    include_usage=options.get("include_usage") is True,
+                    continuous_usage=options.get("continuous_usage_stats") is True)
 
 
 def _text_of(content: Any) -> str:
@@ -71,98 +89,117 @@ def _text_of(content: Any) -> str:
     return ""
 
 
-def chat_prompt(body: dict[str, Any]) -> tuple[str, int]:
-    """The prompt text (what the answer is derived from) and its token count."""
+def _calls_text(message: dict[str, Any]) -> str:
+    calls = message.get("tool_calls") if message.get("role") == "assistant" else None
+    words = []
+    for call in calls if isinstance(calls, list) else []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            words.append(f"{function.get('name', '')} {function.get('arguments', '')}")
+    return " ".join(words)
+
+
+def block(role: str, text: str) -> list[str]:
+    """One message's tokens as the emulated chat template lays them out."""
+    return [f"<|im_{role}|>", "<|im_middle|>", "<|im_content|>", *text.split(), "<|im_end|>"]
+
+
+def chat_prompt(body: dict[str, Any]) -> Prompt:
+    """The prompt text (what the answer is derived from) and its tokens."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", "messages")
-    parts, tokens = [], 2
+    parts: list[str] = []
+    ids: list[str] = []
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools:
+        ids += block("system", json.dumps(tools, ensure_ascii=False))
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise BadRequest("each message needs a role", "messages")
-        text = _text_of(message.get("content"))
+        text = " ".join(t for t in (_text_of(message.get("content")), _calls_text(message)) if t)
         parts.append(f"{message['role']}: {text}")
-        tokens += 4 + len(text.split())
-    return "\n".join(parts), tokens
+        ids += block(message["role"], text)
+    return Prompt("\n".join(parts), (*ids, *GENERATION_PROMPT))
 
 
-def completion_prompt(body: dict[str, Any], key: str = "prompt") -> tuple[str, int]:
+def completion_prompt(body: dict[str, Any], key: str = "prompt") -> Prompt:
     prompt = body.get(key)
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return prompt, max(1, len(prompt.split()))
+        return Prompt(prompt, tuple(prompt.split()) or ("",))
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return json.dumps(prompt), len(prompt)
+        return Prompt(json.dumps(prompt), tuple(str(t) for t in prompt))
     raise BadRequest(f"{key} must be a string or a list of token ids", key)
 
 
-def usage(req: Request) -> dict[str, Any]:
+def context_error(prompt: Prompt, context_len: int) -> str | None:
+    if prompt.tokens < context_len:
+        return None
+    return (f"The input ({prompt.tokens} tokens) is longer than the model's context length "
+            f"({context_len} tokens).")
+
+
+def usage(req: Request, *, cache_report: bool = False) -> dict[str, Any]:
+    """SGLang's UsageInfo: cached tokens only with --enable-cache-report, reasoning tokens
+    also under `completion_tokens_details` when there are some."""
+    reasoning = min(req.generated, req.reasoning)
     return {"prompt_tokens": req.prompt_tokens, "total_tokens": req.prompt_tokens + req.generated,
-            "completion_tokens": req.generated, "prompt_tokens_details": None,
-            "reasoning_tokens": 0}
+            "completion_tokens": req.generated,
+            "prompt_tokens_details": {"cached_tokens": req.cached_tokens} if cache_report
+            else None,
+            "reasoning_tokens": reasoning,
+            "completion_tokens_details": {"reasoning_tokens": reasoning} if reasoning else None}
 
 
-def chat_response(req: Request, model: str) -> dict[str, Any]:
-    return {
-        "id": f"chatcmpl-{req.rid}", "object": "chat.completion", "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0,
-                     "message": {"role": "assistant", "content": req.text,
-                                 "reasoning_content": None},
-                     "logprobs": None, "finish_reason": req.finish_reason,
-                     "matched_stop": None}],
-        "usage": usage(req), "metadata": None,
-    }
+def matched_stop(req: Request) -> int | None:
+    return EOS_TOKEN_ID if req.finish_reason == "stop" else None
 
 
-def chat_chunk(req: Request, model: str, created: int, *, role: str | None = None,
-               content: str | None = None, finish: bool = False,
-               with_usage: bool = False) -> str:
-    choices: list[dict[str, Any]] = []
-    if not with_usage:
-        choices = [{"index": 0,
-                    "delta": {"role": role, "content": content, "reasoning_content": None},
-                    "logprobs": None, "finish_reason": req.finish_reason if finish else None,
-                    "matched_stop": None}]
-    chunk = {"id": f"chatcmpl-{req.rid}", "object": "chat.completion.chunk", "created": created,
-             "model": model, "choices": choices, "usage": usage(req) if with_usage else None}
-    return f"data: {json.dumps(chunk)}\n\n"
-
-
-def completion_response(req: Request, model: str) -> dict[str, Any]:
+def completion_response(req: Request, model: str, cache_report: bool) -> dict[str, Any]:
     return {
         "id": f"cmpl-{req.rid}", "object": "text_completion", "created": int(time.time()),
         "model": model,
         "choices": [{"index": 0, "text": req.text, "logprobs": None,
-                     "finish_reason": req.finish_reason, "matched_stop": None}],
-        "usage": usage(req), "metadata": None,
+                     "finish_reason": req.finish_reason, "matched_stop": matched_stop(req)}],
+        "usage": usage(req, cache_report=cache_report), "metadata": None,
     }
 
 
 def completion_chunk(req: Request, model: str, created: int, *, text: str = "",
-                     finish: bool = False, with_usage: bool = False) -> str:
-    choices: list[dict[str, Any]] = []
-    if not with_usage:
-        choices = [{"index": 0, "text": text, "logprobs": None,
-                    "finish_reason": req.finish_reason if finish else None,
-                    "matched_stop": None}]
-    chunk = {"id": f"cmpl-{req.rid}", "object": "text_completion", "created": created,
-             "model": model, "choices": choices, "usage": usage(req) if with_usage else None}
-    return f"data: {json.dumps(chunk)}\n\n"
+                     finish: bool = False, continuous_usage: bool = False) -> str:
+    """A text chunk (serving_completions: the finish reason rides on the last one; continuous
+    usage stats carry no cached-token details there)."""
+    choice = {"index": 0, "text": text, "logprobs": None,
+              "finish_reason": req.finish_reason if finish else None,
+              "matched_stop": matched_stop(req) if finish else None}
+    return sse({"id": f"cmpl-{req.rid}", "object": "text_completion", "created": created,
+                "model": model, "choices": [choice],
+                "usage": usage(req) if continuous_usage else None})
+
+
+def completion_usage_chunk(req: Request, model: str, created: int, cache_report: bool) -> str:
+    """The final usage chunk, dumped with exclude_none as SGLang does."""
+    body = {key: value for key, value in usage(req, cache_report=cache_report).items()
+            if value is not None}
+    return sse({"id": f"cmpl-{req.rid}", "object": "text_completion", "created": created,
+                "model": model, "choices": [], "usage": body})
 
 
 def generate_response(req: Request, started: float) -> dict[str, Any]:
-    """The native `/generate` answer (text, output ids, meta_info)."""
+    """The native `/generate` answer (text, output ids, meta_info). `cached_tokens` is the
+    prefix cache's figure whatever --enable-cache-report says, as in SGLang."""
     return {
         "text": req.text,
         "output_ids": [(req.seed + i * 7) % 163840 for i in range(req.generated)],
         "meta_info": {
             "id": req.rid,
             "finish_reason": {"type": req.finish_reason, "length": req.generated}
-            if req.finish_reason == "length" else {"type": "stop", "matched": 163586},
+            if req.finish_reason == "length" else {"type": "stop", "matched": EOS_TOKEN_ID},
             "prompt_tokens": req.prompt_tokens, "completion_tokens": req.generated,
-            "cached_tokens": 0, "e2e_latency": round(time.monotonic() - started, 4),
+            "cached_tokens": req.cached_tokens,
+            "e2e_latency": round(time.monotonic() - started, 4),
         },
     }
 

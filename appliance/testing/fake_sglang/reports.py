@@ -81,6 +81,12 @@ def model_info(args: ServeArgs, model: Model) -> dict[str, Any]:
     }
 
 
+def cache_hit_rate(core: Core) -> float:
+    """Cached over all prefilled prompt tokens so far (the pretend radix cache)."""
+    total = core.cached_tokens_total + core.prefill_tokens_total
+    return core.cached_tokens_total / total if total else 0.0
+
+
 SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
 
 
@@ -94,7 +100,8 @@ def load_snapshot(cap: Capacity, core: Core, include: set[str] | None) -> dict[s
         "num_prealloc_ready_tokens": 0, "max_total_num_tokens": cap.kv_tokens,
         "max_running_requests": cap.max_running_requests,
         "token_usage": round(core.token_usage, 4),
-        "gen_throughput": round(core.gen_throughput, 2), "cache_hit_rate": 0.0,
+        "gen_throughput": round(core.gen_throughput, 2),
+        "cache_hit_rate": round(cache_hit_rate(core), 4),
         "utilization": round(core.num_running / max(1, cap.max_running_requests), 4),
         "total_prefill_uncached_tokens": core.prefill_tokens_total,
         "total_prefill_busy_us": 0, "decode_moments": None,
@@ -146,7 +153,7 @@ def metrics(args: ServeArgs, cap: Capacity, core: Core, timings: Timings) -> str
         ("num_queue_reqs", core.num_queue, "The number of requests in the waiting queue."),
         ("num_retracted_reqs", 0, "The number of retracted requests."),
         ("gen_throughput", round(core.gen_throughput, 2), "The generation throughput."),
-        ("cache_hit_rate", 0.0, "The prefix cache hit rate."),
+        ("cache_hit_rate", round(cache_hit_rate(core), 6), "The prefix cache hit rate."),
         ("token_usage", round(core.token_usage, 6), "The token usage."),
         ("full_token_usage", round(core.token_usage, 6), "The full-attention token usage."),
         ("mamba_usage", round(slots_used / max(1, cap.state_slots), 6), "The mamba usage."),
@@ -183,7 +190,7 @@ def metrics(args: ServeArgs, cap: Capacity, core: Core, timings: Timings) -> str
         ("prompt_tokens_total", core.prompt_tokens_total, "Number of prefill tokens processed."),
         ("generation_tokens_total", core.generation_tokens_total,
          "Number of generation tokens processed."),
-        ("cached_tokens_total", 0, "Number of cached prompt tokens."),
+        ("cached_tokens_total", core.cached_tokens_total, "Number of cached prompt tokens."),
         ("num_requests_total", core.num_requests_total, "Number of requests processed."),
         ("num_aborted_requests_total", core.num_aborted_requests_total,
          "Number of requests aborted."),

@@ -5,42 +5,44 @@ and demo instrument (`appliance.testing.fake_sglang`); every response carries th
 Endpoints as SGLang 0.5.23's `http_server.py`: `/health` and `/health_generate` (503 while
 starting or draining, else a one-token generation), `/ready`, `/server_info`
 (`/get_server_info`), `/model_info` (`/get_model_info`), `/v1/models[/{id}]`, `/v1/loads`,
-`/metrics` (only with `--enable-metrics`, as in SGLang), `POST /v1/chat/completions`,
-`POST /v1/completions` (streaming or not), `POST /generate`, `GET /`. With `--api-key`
-everything but `/health*`, `/ready*` and `/metrics*` needs `Authorization: Bearer <key>`.
+`/metrics` (only with `--enable-metrics`, as in SGLang), `GET|POST /flush_cache`, `GET /`;
+generation (`openai_serving.py`): `POST /v1/chat/completions` (reasoning, tool calls),
+`POST /v1/completions`, `POST /generate`; Anthropic's (`anthropic_serving.py`):
+`POST /v1/messages`, `POST /v1/messages/count_tokens`. With `--api-key` everything but
+`/health*`, `/ready*`, `/metrics*` and `/emulator/*` needs `Authorization: Bearer <key>`.
 During a SIGTERM drain new requests are still served, as SGLang does.
+
+EMULATOR-ONLY extension, for tests (no real SGLang has it, and it needs no key):
+`GET /emulator/stats` answers `{"running", "waiting", "peak_running", "requests_total",
+"finished_total", "aborted_total", "max_running_requests"}` (`peak_running`: the most requests
+running at once since start or the last reset; `aborted_total`: requests whose client went
+away, queued or running; the startup warmup is one finished request), and
+`POST /emulator/stats/reset` sets `peak_running` to what runs now and answers the stats.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
 from urllib.parse import parse_qs, unquote
 
-from appliance.testing.fake_sglang import EMULATOR_NAME, reports
 from appliance.testing.fake_sglang import protocol as oai
+from appliance.testing.fake_sglang import reports
+from appliance.testing.fake_sglang.anthropic_serving import AnthropicServing
 from appliance.testing.fake_sglang.args import ServeArgs
-from appliance.testing.fake_sglang.core import Core, Request
+from appliance.testing.fake_sglang.asgi import Disconnected, Handler, Receive, Scope, Send, respond
+from appliance.testing.fake_sglang.core import Core
 from appliance.testing.fake_sglang.logwriter import LogWriter
 from appliance.testing.fake_sglang.memory import Capacity
+from appliance.testing.fake_sglang.openai_serving import OpenAIServing
 from appliance.testing.fake_sglang.startup import Model, Timings
 
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-Handler = Callable[[dict[str, Any], Receive, Send], Awaitable[None]]
-OPEN_PREFIXES = ("/health", "/ready", "/metrics")
-JSON = "application/json"
-
-
-class Disconnected(Exception):
-    pass
+OPEN_PREFIXES = ("/health", "/ready", "/metrics", "/emulator/")
+FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
+           "or waiting requests, the operation will not be performed.)\n")
 
 
 def health_check_timeout() -> float:
@@ -48,60 +50,6 @@ def health_check_timeout() -> float:
         return float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
     except ValueError:
         return 20.0
-
-
-async def respond(send: Send, status: int, body: bytes | str | dict[str, Any] | None = None,
-                  content_type: str = JSON) -> None:
-    if isinstance(body, dict):
-        payload = json.dumps(body).encode()
-    elif isinstance(body, str):
-        payload = body.encode()
-    else:
-        payload = body or b""
-    headers = [(b"content-type", content_type.encode()), (b"x-emulator", EMULATOR_NAME.encode()),
-               (b"content-length", str(len(payload)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
-
-
-async def start_stream(send: Send) -> None:
-    headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-               (b"x-emulator", EMULATOR_NAME.encode())]
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
-
-
-async def read_body(receive: Receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise Disconnected
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            return b"".join(chunks)
-
-
-async def until_disconnect(work: Coroutine[Any, Any, None], receive: Receive) -> bool:
-    """Run `work` until it ends (True) or the client goes away (False: `work` is cancelled,
-    which aborts its request)."""
-
-    async def watch() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(watch())
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task in done:
-        task.result()
-        return True
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return False
 
 
 class App:
@@ -112,19 +60,23 @@ class App:
         self.args, self.cap, self.model, self.timings = args, cap, model, timings
         self.core, self.log = core, log
         self.created = int(time.time())
+        openai = OpenAIServing(args, cap, core)
+        messages = AnthropicServing(args, cap, core)
         self.get_routes: dict[str, Handler] = {
             "/health": self.health, "/health_generate": self.health, "/ready": self.ready,
             "/server_info": self.server_info, "/get_server_info": self.server_info,
             "/model_info": self.model_info, "/get_model_info": self.model_info,
             "/v1/models": self.models, "/v1/loads": self.loads, "/metrics": self.metrics,
-            "/": self.root,
+            "/flush_cache": self.flush_cache, "/emulator/stats": self.stats, "/": self.root,
         }
         self.post_routes: dict[str, Handler] = {
-            "/v1/chat/completions": self.chat, "/v1/completions": self.completions,
-            "/generate": self.generate,
+            "/v1/chat/completions": openai.chat, "/v1/completions": openai.completions,
+            "/generate": openai.generate, "/v1/messages": messages.messages,
+            "/v1/messages/count_tokens": messages.count_tokens,
+            "/flush_cache": self.flush_cache, "/emulator/stats/reset": self.reset_stats,
         }
 
-    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             while True:
                 message = await receive()
@@ -152,7 +104,7 @@ class App:
         with contextlib.suppress(Disconnected):
             await handler(scope, receive, send)
 
-    def authorized(self, scope: dict[str, Any], path: str) -> bool:
+    def authorized(self, scope: Scope, path: str) -> bool:
         key = self.args.api_key
         if not key or scope["method"] == "OPTIONS" or path.startswith(OPEN_PREFIXES):
             return True
@@ -161,7 +113,7 @@ class App:
         return scheme.lower() == "bearer" and secrets.compare_digest(token, key)
 
     # -- probes ---------------------------------------------------------------------------
-    async def health(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def health(self, scope: Scope, receive: Receive, send: Send) -> None:
         core = self.core
         if core.draining:
             self.log.line("Health check request received during shutdown. Returning 503.")
@@ -189,25 +141,25 @@ class App:
         core.status = "Up"
         await respond(send, 200)
 
-    async def ready(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def ready(self, scope: Scope, receive: Receive, send: Send) -> None:
         await respond(send, 200 if self.core.ready() else 503)
 
-    async def root(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def root(self, scope: Scope, receive: Receive, send: Send) -> None:
         await respond(send, 200, "SGLang is running (fake_sglang emulator)", "text/plain")
 
     # -- reports --------------------------------------------------------------------------
-    async def server_info(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def server_info(self, scope: Scope, receive: Receive, send: Send) -> None:
         await respond(send, 200,
                       reports.server_info(self.args, self.cap, self.core, self.timings))
 
-    async def model_info(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def model_info(self, scope: Scope, receive: Receive, send: Send) -> None:
         await respond(send, 200, reports.model_info(self.args, self.model))
 
-    async def models(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
         card = oai.model_card(self.args.served_model_name, self.cap.context_len, self.created)
         await respond(send, 200, {"object": "list", "data": [card]})
 
-    async def one_model(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def one_model(self, scope: Scope, receive: Receive, send: Send) -> None:
         name = unquote(scope["path"].removeprefix("/v1/models/"))
         if name != self.args.served_model_name:
             await respond(send, 404, {"error": {
@@ -216,7 +168,7 @@ class App:
             return
         await respond(send, 200, oai.model_card(name, self.cap.context_len, self.created))
 
-    async def loads(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def loads(self, scope: Scope, receive: Receive, send: Send) -> None:
         query = parse_qs(scope.get("query_string", b"").decode())
         include = None
         if query.get("include"):
@@ -233,118 +185,24 @@ class App:
             return
         await respond(send, 200, body)
 
-    async def metrics(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self.args.enable_metrics:
             await respond(send, 404, {"detail": "Not Found"})
             return
         await respond(send, 200, reports.metrics(self.args, self.cap, self.core, self.timings),
                       "text/plain; version=0.0.4; charset=utf-8")
 
-    # -- generation -----------------------------------------------------------------------
-    async def _json(self, receive: Receive, send: Send) -> dict[str, Any] | None:
-        try:
-            body = json.loads(await read_body(receive) or b"{}")
-        except ValueError as exc:
-            await respond(send, 400, oai.error_body(f"JSON decode error: {exc}"))
-            return None
-        if not isinstance(body, dict):
-            await respond(send, 400, oai.error_body("The request body must be a JSON object"))
-            return None
-        return body
+    # -- cache and emulator stats ----------------------------------------------------------
+    async def flush_cache(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.core.flush_cache():
+            await respond(send, 200, FLUSHED, "text/plain; charset=utf-8")
+        else:
+            await respond(send, 400, "Flush cache failed.\n", "text/plain; charset=utf-8")
 
-    async def chat(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        await self._openai(receive, send, chat=True)
+    async def stats(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Emulator-only (see the module docstring)."""
+        await respond(send, 200, self.core.stats())
 
-    async def completions(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        await self._openai(receive, send, chat=False)
-
-    async def _openai(self, receive: Receive, send: Send, *, chat: bool) -> None:
-        body = await self._json(receive, send)
-        if body is None:
-            return
-        try:
-            prompt, prompt_tokens = oai.chat_prompt(body) if chat else oai.completion_prompt(body)
-            params = oai.sampling(body)
-        except oai.BadRequest as exc:
-            await respond(send, 400, oai.error_body(exc.message, param=exc.param))
-            return
-        if prompt_tokens >= self.cap.context_len:
-            await respond(send, 400, oai.error_body(
-                f"The input ({prompt_tokens} tokens) is longer than the model's context length "
-                f"({self.cap.context_len} tokens)."))
-            return
-        req = self.core.plan(prompt, prompt_tokens, params.max_tokens, params.min_tokens,
-                             params.ignore_eos)
-        model = str(body.get("model") or self.args.served_model_name)
-        if params.stream:
-            await until_disconnect(self._stream(req, model, chat, params.include_usage, send),
-                                   receive)
-            return
-        if await until_disconnect(self._drain_tokens(req), receive):
-            shape = oai.chat_response if chat else oai.completion_response
-            await respond(send, 200, shape(req, model))
-
-    async def _drain_tokens(self, req: Request) -> None:
-        async with contextlib.aclosing(self.core.generate(req)) as tokens:
-            async for _ in tokens:
-                pass
-
-    async def _stream(self, req: Request, model: str, chat: bool, include_usage: bool,
-                      send: Send) -> None:
-        created = int(time.time())
-        await start_stream(send)
-
-        async def emit(text: str) -> None:
-            await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
-
-        if chat:
-            await emit(oai.chat_chunk(req, model, created, role="assistant", content=""))
-        async with contextlib.aclosing(self.core.generate(req)) as tokens:
-            async for token in tokens:
-                last = req.generated >= req.completion_tokens
-                if chat:
-                    await emit(oai.chat_chunk(req, model, created, content=token, finish=last))
-                else:
-                    await emit(oai.completion_chunk(req, model, created, text=token, finish=last))
-        if req.completion_tokens == 0:
-            chunk = oai.chat_chunk(req, model, created, content="", finish=True) if chat \
-                else oai.completion_chunk(req, model, created, finish=True)
-            await emit(chunk)
-        if include_usage:
-            chunk = oai.chat_chunk(req, model, created, with_usage=True) if chat \
-                else oai.completion_chunk(req, model, created, with_usage=True)
-            await emit(chunk)
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
-                    "more_body": False})
-
-    async def generate(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        """The native API (`text` or `input_ids`, `sampling_params`): what the warmup calls."""
-        body = await self._json(receive, send)
-        if body is None:
-            return
-        started = time.monotonic()
-        try:
-            key = "text" if "text" in body else "input_ids"
-            prompt, prompt_tokens = oai.completion_prompt(body, key)
-            params = oai.sampling(body, native=True)
-        except oai.BadRequest as exc:
-            await respond(send, 400, oai.error_body(exc.message, param=exc.param))
-            return
-        req = self.core.plan(prompt, prompt_tokens, params.max_tokens, params.min_tokens,
-                             params.ignore_eos)
-        if not params.stream:
-            if await until_disconnect(self._drain_tokens(req), receive):
-                await respond(send, 200, oai.generate_response(req, started))
-            return
-
-        async def stream() -> None:
-            await start_stream(send)
-            async with contextlib.aclosing(self.core.generate(req)) as tokens:
-                async for _ in tokens:
-                    chunk = json.dumps(oai.generate_response(req, started))
-                    await send({"type": "http.response.body", "body": f"data: {chunk}\n\n".encode(),
-                                "more_body": True})
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
-                        "more_body": False})
-
-        await until_disconnect(stream(), receive)
+    async def reset_stats(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.core.reset_peak()
+        await respond(send, 200, self.core.stats())

@@ -1,0 +1,148 @@
+"""The engine emulator's generation endpoints: `POST /v1/chat/completions`,
+`POST /v1/completions` (streaming or not) and the native `POST /generate`. A test and demo
+instrument (`appliance.testing.fake_sglang`). Every request goes through the core's scheduler
+(`core.plan`, `core.generate`): it counts toward running and queued, and a client that goes
+away aborts it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+from appliance.testing.fake_sglang import protocol as oai
+from appliance.testing.fake_sglang.args import ServeArgs
+from appliance.testing.fake_sglang.asgi import (
+    Receive,
+    Scope,
+    Send,
+    emit,
+    end_stream,
+    read_json,
+    respond,
+    start_stream,
+    until_disconnect,
+)
+from appliance.testing.fake_sglang.chat import ChatChunks, ChatPlan, chat_response, plan_chat
+from appliance.testing.fake_sglang.core import Core, Request
+from appliance.testing.fake_sglang.memory import Capacity
+
+DONE = "data: [DONE]\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, args: ServeArgs, cap: Capacity, core: Core) -> None:
+        self.args, self.cap, self.core = args, cap, core
+        self.cache_report = args.enable_cache_report
+
+    async def drain_tokens(self, req: Request) -> None:
+        async with contextlib.aclosing(self.core.generate(req)) as tokens:
+            async for _ in tokens:
+                pass
+
+    # -- /v1/chat/completions -------------------------------------------------------------
+    async def chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await read_json(receive)
+        if isinstance(body, str):
+            await respond(send, 400, oai.error_body(body))
+            return
+        try:
+            plan = plan_chat(body, self.args, self.cap.context_len, self.core)
+        except oai.BadRequest as exc:
+            await respond(send, 400, oai.error_body(exc.message, param=exc.param))
+            return
+        if plan.params.stream:
+            await until_disconnect(self.chat_stream(plan, send), receive)
+        elif await until_disconnect(self.drain_tokens(plan.req), receive):
+            await respond(send, 200, chat_response(plan, self.cache_report))
+
+    async def chat_stream(self, plan: ChatPlan, send: Send) -> None:
+        """SGLang's `_generate_chat_stream`: nothing until the first token (a queued request
+        is silent), then one frame per token that shows something."""
+        chunks = ChatChunks(plan, self.cache_report)
+        req, started = plan.req, False
+        await start_stream(send)
+        async with contextlib.aclosing(self.core.generate(req)) as tokens:
+            async for _ in tokens:
+                if not started:
+                    started = True
+                    await emit(send, chunks.role())
+                frame = chunks.piece(plan.script.piece(req.seed, req.generated - 1))
+                if frame:
+                    await emit(send, frame)
+        if not started:
+            await emit(send, chunks.role())
+        await emit(send, chunks.finish())
+        if plan.params.include_usage:
+            await emit(send, chunks.usage())
+        await end_stream(send, DONE)
+
+    # -- /v1/completions ------------------------------------------------------------------
+    async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await read_json(receive)
+        if isinstance(body, str):
+            await respond(send, 400, oai.error_body(body))
+            return
+        try:
+            prompt = oai.completion_prompt(body)
+            params = oai.sampling(body)
+        except oai.BadRequest as exc:
+            await respond(send, 400, oai.error_body(exc.message, param=exc.param))
+            return
+        too_long = oai.context_error(prompt, self.cap.context_len)
+        if too_long:
+            await respond(send, 400, oai.error_body(too_long))
+            return
+        req = self.core.plan(prompt, params.max_tokens, params.min_tokens, params.ignore_eos)
+        model = str(body.get("model") or self.args.served_model_name)
+        if params.stream:
+            await until_disconnect(self.completion_stream(req, model, params, send), receive)
+        elif await until_disconnect(self.drain_tokens(req), receive):
+            await respond(send, 200, oai.completion_response(req, model, self.cache_report))
+
+    async def completion_stream(self, req: Request, model: str, params: oai.Sampling,
+                                send: Send) -> None:
+        created = int(time.time())
+        await start_stream(send)
+        async with contextlib.aclosing(self.core.generate(req)) as tokens:
+            async for token in tokens:
+                await emit(send, oai.completion_chunk(
+                    req, model, created, text=token, finish=req.generated >= req.completion_tokens,
+                    continuous_usage=params.continuous_usage))
+        if req.completion_tokens == 0:
+            await emit(send, oai.completion_chunk(req, model, created, finish=True,
+                                                  continuous_usage=params.continuous_usage))
+        if params.include_usage:
+            await emit(send, oai.completion_usage_chunk(req, model, created, self.cache_report))
+        await end_stream(send, DONE)
+
+    # -- /generate ------------------------------------------------------------------------
+    async def generate(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The native API (`text` or `input_ids`, `sampling_params`): what the warmup calls."""
+        body = await read_json(receive)
+        if isinstance(body, str):
+            await respond(send, 400, oai.error_body(body))
+            return
+        started = time.monotonic()
+        try:
+            prompt = oai.completion_prompt(body, "text" if "text" in body else "input_ids")
+            params = oai.sampling(body, native=True)
+        except oai.BadRequest as exc:
+            await respond(send, 400, oai.error_body(exc.message, param=exc.param))
+            return
+        req = self.core.plan(prompt, params.max_tokens, params.min_tokens, params.ignore_eos)
+        if not params.stream:
+            if await until_disconnect(self.drain_tokens(req), receive):
+                await respond(send, 200, oai.generate_response(req, started))
+            return
+
+        async def stream() -> None:
+            await start_stream(send)
+            async with contextlib.aclosing(self.core.generate(req)) as tokens:
+                async for _ in tokens:
+                    chunk = json.dumps(oai.generate_response(req, started))
+                    await emit(send, f"data: {chunk}\n\n")
+            await end_stream(send, DONE)
+
+        await until_disconnect(stream(), receive)
