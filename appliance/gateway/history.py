@@ -38,9 +38,9 @@ history (few-shot turns) reads as rewritten or unmatched once. Keys never match 
 
 Memory: per key an LRU of at most `max_fingerprints` full requests and as many prefixes (the
 first message's and each assistant turn's), at most `max_keys` keys, least recently used
-evicted first. A fingerprint costs about 150 bytes, so a key with both LRUs full at the 4096
-default holds ~1.2 MiB, and the worst case is `max_keys` times that (12 GB at the defaults;
-real keys hold far fewer). Not thread-safe: the gateway calls it on its event loop, and each
+evicted first. A fingerprint costs about 150 bytes, so a key with both LRUs full at the 2048
+default holds ~0.6 MiB, and the worst case is `max_keys` times that (about 600 MB at the
+defaults, which a box with hundreds of busy keys could approach; real keys hold far fewer). Not thread-safe: the gateway calls it on its event loop, and each
 call is O(messages): about a millisecond for 200 messages and 200 KB on a slow core, a third
 of it blake2b, so it stays on the loop.
 """
@@ -55,8 +55,8 @@ from typing import Any, Literal
 
 History = Literal["new", "appended", "rewritten", "unmatched"]
 DIGEST_BYTES = 8
-DEFAULT_FINGERPRINTS = 4096
-DEFAULT_KEYS = 10_000
+DEFAULT_FINGERPRINTS = 2048
+DEFAULT_KEYS = 1_000
 # The parts of a message a chat template renders; anything else (an `index`, a client's own
 # metadata) does not change the prompt.
 PROMPT_PARTS = ("content", "name", "reasoning_content", "role", "tool_call_id", "tool_calls")
