@@ -40,7 +40,8 @@ Memory: per key an LRU of at most `max_fingerprints` full requests and as many p
 first message's and each assistant turn's), at most `max_keys` keys, least recently used
 evicted first. A fingerprint costs about 150 bytes, so a key with both LRUs full at the 2048
 default holds ~0.6 MiB, and the worst case is `max_keys` times that (about 600 MB at the
-defaults, which a box with hundreds of busy keys could approach; real keys hold far fewer). Not thread-safe: the gateway calls it on its event loop, and each
+defaults, which a box with hundreds of busy keys could approach; real keys hold far fewer).
+Not thread-safe: the gateway calls it on its event loop, and each
 call is O(messages): about a millisecond for 200 messages and 200 KB on a slow core, a third
 of it blake2b, so it stays on the loop.
 """
