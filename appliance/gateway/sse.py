@@ -86,13 +86,15 @@ class StreamMeter:
         return self._account(complete, cut=True)
 
     def finish(self) -> bytes:
-        """The end of the stream: whatever was held back (an unterminated last event)."""
+        """The end of the stream: account for an unterminated last event, and return what
+        is still to be forwarded (only when cutting: otherwise it went out as it came)."""
         tail, self._tail = self._tail, b""
         if not tail:
             return b""
         kept = self._account(tail + _SEP, cut=self.strip_usage)
-        return kept[:-2] if self.strip_usage and kept.endswith(_SEP) else \
-            (tail if not self.strip_usage else kept)
+        if not self.strip_usage:
+            return b""
+        return kept[:-len(_SEP)] if kept.endswith(_SEP) else kept
 
     def _account(self, block: bytes, cut: bool = False) -> bytes:
         has_usage = _USAGE.search(block) is not None
