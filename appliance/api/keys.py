@@ -87,10 +87,6 @@ class KeyCreated(KeyView):
     key: str
 
 
-def view_of(info: KeyInfo, now: dt.datetime) -> KeyView:
-    return KeyView.of(info, now)
-
-
 def created_view(key: str, info: KeyInfo, now: dt.datetime) -> KeyCreated:
     view = KeyView.of(info, now)
     return KeyCreated(**{f.name: getattr(view, f.name) for f in dataclasses.fields(view)},
@@ -263,7 +259,7 @@ async def change_limits(runtime: Runtime, prefix: str, changes: dict[str, int | 
 
 async def key_views(runtime: Runtime) -> list[KeyView]:
     now = runtime.clock.now()
-    return [view_of(info, now) for info in await runtime.db.run(list_keys)]
+    return [KeyView.of(info, now) for info in await runtime.db.run(list_keys)]
 
 
 # --- routes -----------------------------------------------------------------------------------
@@ -294,7 +290,7 @@ async def keys_create(request: AdminRequest, data: JSONBody[KeyCreateBody]) -> K
 async def keys_get(request: AdminRequest, prefix: FromPath[str]) -> KeyView:
     runtime = runtime_of(request)
     info = await runtime.db.run(lambda s: get_key(s, prefix))
-    return view_of(info, runtime.clock.now())
+    return KeyView.of(info, runtime.clock.now())
 
 
 @patch("/{prefix:str}", summary="Edit a key's limits: a limit left out is kept, null clears it")
@@ -304,7 +300,7 @@ async def keys_edit(request: AdminRequest, prefix: FromPath[str],
     info = await change_limits(runtime, prefix, data.limits.changes(),
                                actor=request.user.username, address=client_address(request),
                                via=_via(request))
-    return view_of(info, runtime.clock.now())
+    return KeyView.of(info, runtime.clock.now())
 
 
 @post("/{prefix:str}/revoke", status_code=200,
@@ -313,7 +309,7 @@ async def keys_revoke(request: AdminRequest, prefix: FromPath[str]) -> KeyView:
     runtime = runtime_of(request)
     info = await withdraw_key(runtime, prefix, actor=request.user.username,
                               address=client_address(request), via=_via(request))
-    return view_of(info, runtime.clock.now())
+    return KeyView.of(info, runtime.clock.now())
 
 
 def keys_router() -> Router:

@@ -261,7 +261,7 @@ class GatewayApp:
             try:
                 await parts.admission.acquire(key.id, weight, self.queue_wait)
             except (QueueFull, QueueTimeout) as exc:
-                raise self._busy(type(exc).__name__) from None
+                raise self._busy(full=isinstance(exc, QueueFull)) from None
             finally:
                 ex.queue_ms = (time.perf_counter() - waited) * 1000
                 parts.metrics.queue_wait.observe(ex.queue_ms / 1000)
@@ -274,11 +274,11 @@ class GatewayApp:
             if parsed.endpoint.generates:
                 parts.admission.release(weight)
 
-    def _busy(self, why: str) -> GatewayError:
+    def _busy(self, *, full: bool) -> GatewayError:
         admission = self.parts.admission
         ahead = admission.waiting + 1
         retry = max(1, min(60, round(self.recent_seconds * ahead / admission.limit)))
-        if why == "QueueFull":
+        if full:
             return GatewayError(429, "queue_full",
                                 f"the engine is busy ({admission.in_use} running, "
                                 f"{admission.waiting} waiting, the queue is full); retry later",

@@ -1,9 +1,10 @@
 """Whether the gateway may forward, and how many at once: the engine's state as the control
 plane publishes it (`appliance.engine.publish`), plus the engine's own capacity.
 
-Polled every half second. While the published state admits requests (READY, DEGRADED) and
-the engine's figures are known, requests go through; otherwise each gets a 503 with
-Retry-After and a message that says the state and, during a start, the ETA. When the state
+Fed by the gateway's half-second poll (`GatewayParts.poll_once`). While the published state
+admits requests (READY, DEGRADED) and the engine's figures are known, requests go through;
+otherwise each gets a 503 with Retry-After and a message that says the state and, during a
+start, the ETA. When the state
 turns serving, the gateway asks the engine for its effective `max_running_requests`
 (`/server_info`, summed over data-parallel ranks) and its context length (`/v1/models`
 `max_model_len`); an operator's `gateway.max_concurrency` overrides the first.
@@ -15,8 +16,7 @@ import logging
 import math
 from typing import Any
 
-from appliance.db.database import Database
-from appliance.engine.publish import Published, read_published
+from appliance.engine.publish import Published
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.upstream import Upstream
 
@@ -60,8 +60,8 @@ def unavailable(published: Published | None) -> GatewayError:
 
 
 class EngineGate:
-    def __init__(self, db: Database, upstream: Upstream, override_limit: int) -> None:
-        self.db, self.upstream, self.override_limit = db, upstream, override_limit
+    def __init__(self, upstream: Upstream, override_limit: int) -> None:
+        self.upstream, self.override_limit = upstream, override_limit
         self.published: Published | None = None
         self.limit: int | None = None
         self.context_len: int | None = None
@@ -70,11 +70,10 @@ class EngineGate:
     def refusal(self) -> GatewayError | None:
         return None if self.open else unavailable(self.published)
 
-    async def refresh(self, published: Published | None = None,
-                      polled: bool = False) -> bool:
-        """Take the newest published state (read here unless `polled`); True when the
-        concurrency limit changed."""
-        self.published = published if polled else await self.db.run(read_published)
+    async def refresh(self, published: Published | None) -> bool:
+        """Take the newest published state (the poll reads it); True when the concurrency
+        limit changed."""
+        self.published = published
         serving = self.published is not None and self.published.admits_requests
         if not serving:
             self.open = False

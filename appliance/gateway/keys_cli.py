@@ -130,12 +130,12 @@ def run(args: argparse.Namespace, config: Config) -> int:
 
 def _run(args: argparse.Namespace, config: Config, db: Any, actor: str) -> int:
     from appliance.api.keys import (
+        KeyView,
         create_audited,
         created_view,
         limits_audited,
         parse_expiry,
         revoke_audited,
-        view_of,
     )
     from appliance.gateway.keys import KeyLimits, list_keys
     from appliance.secrets import server_secret
@@ -143,13 +143,13 @@ def _run(args: argparse.Namespace, config: Config, db: Any, actor: str) -> int:
     now = dt.datetime.now(dt.UTC)
     command = args.keys_command
     if command == "list":
-        views = [view_of(info, now) for info in db.call(list_keys)]
+        views = [KeyView.of(info, now) for info in db.call(list_keys)]
         print(_dump(views) if args.json else (_table(views) if views else "no keys yet"))
         return 0
     if command == "revoke":
         info = db.call(lambda s: revoke_audited(s, args.prefix, now=now, actor=actor,
                                                 address="", via="cli"))
-        view = view_of(info, now)
+        view = KeyView.of(info, now)
         print(_dump(view) if args.json else
               f"appliance: key {view.prefix} ({view.name}) revoked {_when(view.revoked_at)}"
               + (f" by {view.revoked_by}" if view.revoked_by else ""))
@@ -163,7 +163,7 @@ def _run(args: argparse.Namespace, config: Config, db: Any, actor: str) -> int:
                                      f"{flag} N|none" for flag, _, _ in LIMIT_FLAGS))
         info = db.call(lambda s: limits_audited(s, args.prefix, changes, now=now, actor=actor,
                                                 address="", via="cli"))
-        view = view_of(info, now)
+        view = KeyView.of(info, now)
         print(_dump(view) if args.json else
               f"appliance: key {view.prefix} ({view.name}): {_limits_text(view.limits)}")
         return 0

@@ -78,7 +78,7 @@ class GatewayParts:
             return read_published(session)
 
         published = await self.db.run(read)
-        if await self.gate.refresh(published, polled=True) and self.gate.limit:
+        if await self.gate.refresh(published) and self.gate.limit:
             self.admission.set_limit(self.gate.limit)
             log.info("admitting up to %d requests at once", self.gate.limit)
 
@@ -101,7 +101,7 @@ def build_gateway(config: Config, *, clock: Clock | None = None, db: Database | 
     return GatewayParts(
         config=config, clock=clock, db=db,
         keys=KeyCache(db, server_secret(config.paths.state_dir)),
-        gate=EngineGate(db, upstream, gateway.max_concurrency),
+        gate=EngineGate(upstream, gateway.max_concurrency),
         admission=Admission(gateway.max_concurrency or FALLBACK_LIMIT, gateway.queue_max),
         limiter=KeyLimiter(), recorder=Recorder(db, clock, gateway.usage_retention_days),
         metrics=GatewayMetrics(), history=HistoryTracker(), upstream=upstream,

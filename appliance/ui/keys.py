@@ -27,7 +27,6 @@ from appliance.api.keys import (
     issue_key,
     key_views,
     parse_expiry,
-    view_of,
     withdraw_key,
 )
 from appliance.auth.middleware import client_address
@@ -139,7 +138,7 @@ async def keys_create_ui(request: AdminRequest, data: URLEncodedBody[KeyForm]) -
             runtime, name=data.name.strip(), owner=data.owner.strip(),
             expires_at=parse_expiry(data.expires, now), limits=data.limits(),
             actor=request.user.username, address=client_address(request), via="console")
-        outcome = Outcome(key=key, view=view_of(info, now))
+        outcome = Outcome(key=key, view=KeyView.of(info, now))
     except ApplianceError as exc:
         outcome = Outcome(error=exc.message, hint=exc.hint, status=exc.status)
     # After a success the form starts empty again; after a refusal it keeps what was typed.
@@ -163,7 +162,7 @@ async def keys_revoke_ui(request: AdminRequest,
 async def _row(request: AdminRequest, prefix: str) -> KeyView:
     runtime = runtime_of(request)
     info = await runtime.db.run(lambda s: get_key(s, prefix))
-    return view_of(info, runtime.clock.now())
+    return KeyView.of(info, runtime.clock.now())
 
 
 @get("/keys/{prefix:str}/row", **GUARDED)
