@@ -11,16 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 
 import uvicorn
 
 from appliance.app import create_app
 from appliance.db.journal import add_event
-from appliance.errors import ApplianceError
 from appliance.runtime import Runtime
-from appliance.sdnotify import notify, watchdog_interval
-from appliance.serving import OwnSignalsServer, watchdog_loop
+from appliance.sdnotify import notify
+from appliance.serving import OwnSignalsServer, serve_until_stopped
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +29,7 @@ def _record(runtime: Runtime, severity: str, message: str) -> None:
                                         message=message))
 
 
-async def _announce_ready(server: OwnSignalsServer, runtime: Runtime) -> None:
-    while not server.started:
-        if server.should_exit:
-            return
-        await asyncio.sleep(0.05)
+async def _announce_ready(runtime: Runtime) -> None:
     cfg = runtime.config.server
     scheme = "https" if runtime.config.tls else "http"
     url = f"{scheme}://{cfg.host}:{cfg.port}"
@@ -60,35 +54,6 @@ async def run_server(runtime: Runtime) -> None:
         lifespan="on",
     )
     server = OwnSignalsServer(config)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-    tasks = [asyncio.create_task(_announce_ready(server, runtime))]
-    interval = watchdog_interval()
-    if interval:
-        tasks.append(asyncio.create_task(watchdog_loop(interval)))
-    try:
-        await server.serve()
-    except SystemExit:
-        # uvicorn exits on a failed bind after logging the OS error.
-        raise ApplianceError(
-            "bind_failed",
-            f"could not listen on {cfg.host}:{cfg.port}",
-            "another program holds the port (`ss -ltnp`), or choose server.port in the config",
-            exit_code=75,
-        ) from None
-    finally:
-        for task in tasks:
-            task.cancel()
-        # A repeated SIGTERM while we finish shutting down must not kill us half-way: from
-        # here to exit the signals are ignored (systemd's stop timeout still applies).
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-            signal.signal(sig, signal.SIG_IGN)
-    if not server.started:
-        raise ApplianceError(
-            "startup_failed", f"the control plane did not start on {cfg.host}:{cfg.port}",
-            "read the lines above for the cause", exit_code=70,
-        )
-    notify("STOPPING=1\nSTATUS=shutting down")
+    await serve_until_stopped(server, lambda: _announce_ready(runtime), what="control plane",
+                              where=f"{cfg.host}:{cfg.port}", port_key="server.port")
     await asyncio.to_thread(_record, runtime, "info", "daemon stopped cleanly")

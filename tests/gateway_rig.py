@@ -60,8 +60,7 @@ class LiveGateway:
     # --- standing in for the control plane -----------------------------------------------------
 
     def publish(self, state: str, message: str = "", eta: float | None = None) -> None:
-        now = dt.datetime.now(dt.UTC)
-        self.db.call(lambda s: write_published(s, state, message or state, eta, now))
+        publish(self.db, state, message, eta)
 
     def wait_admitting(self, admitting: bool = True) -> None:
         def seen() -> bool:
@@ -70,12 +69,7 @@ class LiveGateway:
         wait_for(seen, f"the gateway to {'admit' if admitting else 'stop admitting'}")
 
     def key(self, name: str = "alice", **limits: int | None) -> str:
-        secret = server_secret(self.config.paths.state_dir)
-        now = dt.datetime.now(dt.UTC)
-        key, _ = self.db.call(lambda s: create_key(s, secret, name=name, owner="tests",
-                                                   by="tests", now=now,
-                                                   limits=KeyLimits(**limits)))
-        return key
+        return make_key(self.config, self.db, name, **limits)
 
     def usage_rows(self, count: int) -> list[Any]:
         """The usage rows, once `count` records have been written (the writer runs each
@@ -89,6 +83,21 @@ class LiveGateway:
             (r.key_id, r.endpoint, r.stream, r.status, r.outcome, r.prompt_tokens,
              r.completion_tokens, r.cached_tokens, r.history)
             for r in s.scalars(select(UsageRequest).order_by(UsageRequest.id))])
+
+
+def publish(db: Database, state: str, message: str = "", eta: float | None = None) -> None:
+    """Write the engine state row exactly as the control plane's publisher does."""
+    now = dt.datetime.now(dt.UTC)
+    db.call(lambda s: write_published(s, state, message or state, eta, now))
+
+
+def make_key(config: Config, db: Database, name: str = "alice", **limits: int | None) -> str:
+    """A gateway API key made with the key store the console uses; returns the key."""
+    secret = server_secret(config.paths.state_dir)
+    now = dt.datetime.now(dt.UTC)
+    key, _ = db.call(lambda s: create_key(s, secret, name=name, owner="tests", by="tests",
+                                          now=now, limits=KeyLimits(**limits)))
+    return key
 
 
 def model_root(tmp: Path) -> Path:

@@ -13,17 +13,20 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from sqlalchemy import text
 
 from appliance.config import Config
 from appliance.db.database import Database
 from appliance.gateway.keys import revoke_key
-from tests.conftest import make_config, wait_for
+from tests.conftest import free_port, make_config, wait_for
 from tests.gateway_rig import (
     MODEL,
     LiveGateway,
     auth,
     chat_body,
     emulator_stats,
+    make_key,
+    publish,
 )
 from tests.test_fake_sglang import Emulator
 
@@ -235,4 +238,50 @@ def test_two_keys_share_a_busy_engine_fairly(tmp_path: Path, gateway_engine: Emu
         assert last_polite < 8, finished  # not behind the busy key's whole backlog
     finally:
         live.stop()
+        db.dispose()
+
+
+def test_the_gateway_process_serves_and_stops_cleanly_on_sigterm(
+        tmp_path: Path, gateway_engine: Emulator) -> None:
+    """`appliance gateway` as the unit runs it: a process of its own over a migrated
+    database; SIGTERM ends it with status 0 and its buffered usage written."""
+    import os
+    import subprocess
+    import sys
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
+    env |= {"APPLIANCE_PATHS_STATE_DIR": str(tmp_path / "state"),
+            "APPLIANCE_PATHS_MODELS_DIR": str(tmp_path / "models"),
+            "APPLIANCE_PATHS_LOG_DIR": str(tmp_path / "log"),
+            "APPLIANCE_GATEWAY_PORT": str(port),
+            "APPLIANCE_ENGINE_PORT": str(gateway_engine.port)}
+    config = make_config(tmp_path / "unused", **{k: v for k, v in env.items()
+                                                 if k.startswith("APPLIANCE_")})
+    db = migrated(config)
+    publish(db, "ready")
+    key = make_key(config, db)
+    process = subprocess.Popen([sys.executable, "-m", "appliance", "--dev", "gateway"],
+                               env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def answered() -> bool:
+            try:
+                return httpx.get(f"{url}/health", timeout=2).json()["admitting"] is True
+            except httpx.HTTPError:
+                return False
+
+        wait_for(answered, "the gateway process to admit")
+        reply = httpx.post(f"{url}/v1/chat/completions", headers=auth(key),
+                           json=chat_body(), timeout=30)
+        assert reply.status_code == 200
+        process.terminate()
+        assert process.wait(timeout=30) == 0
+        rows = db.call(lambda s: s.execute(text("SELECT status, outcome FROM usage_requests"))
+                       .all())
+        assert [tuple(r) for r in rows] == [(200, "ok")]  # flushed on the way out
+    finally:
+        if process.poll() is None:
+            process.kill()
         db.dispose()

@@ -11,17 +11,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 from typing import Any
 
 import uvicorn
 
 from appliance.config import Config
-from appliance.errors import ApplianceError
 from appliance.gateway.app import GatewayApp
 from appliance.gateway.parts import GatewayParts, build_gateway
-from appliance.sdnotify import notify, watchdog_interval
-from appliance.serving import OwnSignalsServer, watchdog_loop
+from appliance.sdnotify import notify
+from appliance.serving import OwnSignalsServer, serve_until_stopped
 
 log = logging.getLogger(__name__)
 GRACEFUL_SECONDS = 60
@@ -40,40 +38,16 @@ def uvicorn_config(parts: GatewayParts) -> uvicorn.Config:
     )
 
 
-async def _announce(server: OwnSignalsServer, url: str) -> None:
-    while not server.started:
-        if server.should_exit:
-            return
-        await asyncio.sleep(0.05)
-    notify(f"READY=1\nSTATUS=gateway on {url}")
-    log.info("gateway ready on %s (pid %d)", url, os.getpid())
-
-
 async def serve_gateway(parts: GatewayParts) -> None:
     cfg = parts.config.gateway
-    server = OwnSignalsServer(uvicorn_config(parts))
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
     url = f"{'https' if cfg.tls_cert else 'http'}://{cfg.host}:{cfg.port}"
-    tasks: list[asyncio.Task[Any]] = [asyncio.create_task(_announce(server, url))]
-    interval = watchdog_interval()
-    if interval:
-        tasks.append(asyncio.create_task(watchdog_loop(interval)))
-    try:
-        await server.serve()
-    except SystemExit:
-        raise ApplianceError(
-            "bind_failed", f"could not listen on {cfg.host}:{cfg.port}",
-            "another program holds the port (`ss -ltnp`), or choose gateway.port",
-            exit_code=75) from None
-    finally:
-        for task in tasks:
-            task.cancel()
-    if not server.started:
-        raise ApplianceError("startup_failed", f"the gateway did not start on {url}",
-                             "read the lines above for the cause", exit_code=70)
-    notify("STOPPING=1\nSTATUS=shutting down")
+
+    async def announce() -> None:
+        notify(f"READY=1\nSTATUS=gateway on {url}")
+        log.info("gateway ready on %s (pid %d)", url, os.getpid())
+
+    await serve_until_stopped(OwnSignalsServer(uvicorn_config(parts)), announce,
+                              what="gateway", where=url, port_key="gateway.port")
 
 
 def run_gateway(config: Config, **overrides: Any) -> int:
