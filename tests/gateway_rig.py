@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,7 +25,7 @@ from appliance.gateway.keys import KeyLimits, create_key
 from appliance.gateway.parts import GatewayParts, build_gateway
 from appliance.secrets import server_secret
 from tests.conftest import wait_for
-from tests.test_fake_sglang import Emulator
+from tests.test_fake_sglang import Emulator, small_model
 
 MODEL = "kimi-k3"
 
@@ -100,27 +99,11 @@ def make_key(config: Config, db: Database, name: str = "alice", **limits: int | 
     return key
 
 
-def model_root(tmp: Path) -> Path:
-    """A small checkpoint the emulator can load (K3's config, three tiny shards)."""
-    import json
-    import os
-
-    root = tmp / "model"
-    root.mkdir(parents=True, exist_ok=True)
-    for index in range(1, 4):
-        (root / f"model-{index:05d}-of-00003.safetensors").write_bytes(os.urandom(1 << 20))
-    (root / "config.json").write_text(json.dumps({
-        "model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
-        "text_config": {"max_position_embeddings": 262144},
-        "quantization_config": {"quant_method": "compressed-tensors"}}))
-    return root
-
-
 def start_engine(tmp_path_factory: pytest.TempPathFactory, *flags: str,
                  token_seconds: float = 0.002) -> Emulator:
     """The engine emulator serving MODEL with at most 4 running requests, ready."""
     root = tmp_path_factory.mktemp("engine")
-    emu = Emulator(root, [str(model_root(root)), "--served-model-name", MODEL,
+    emu = Emulator(root, [str(small_model(root / "model", 1 << 20)), "--served-model-name", MODEL,
                           "--max-running-requests", "4", "--enable-cache-report",
                           "--reasoning-parser", "kimi_k3", "--tool-call-parser", "kimi_k3",
                           "--tp-size", "8", "--dcp-size", "8", *flags],

@@ -167,17 +167,22 @@ def capacity_from(log: str) -> tuple[int, float, float, int, float]:
     return (int(state[1]), float(state[2]), float(state[3]), int(kv[1]), float(kv[2]))
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("model")
+def small_model(root: Path, shard_bytes: int = SHARD_BYTES) -> Path:
+    """A checkpoint the emulator loads: K3's config and SHARDS shards of random bytes."""
+    root.mkdir(parents=True, exist_ok=True)
     for index in range(1, SHARDS + 1):
         (root / f"model-{index:05d}-of-{SHARDS:05d}.safetensors").write_bytes(
-            os.urandom(SHARD_BYTES))
+            os.urandom(shard_bytes))
     (root / "config.json").write_text(json.dumps({
         "model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
         "text_config": {"max_position_embeddings": 262144},
         "quantization_config": {"quant_method": "compressed-tensors"}}))
     return root
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return small_model(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import signal
 import socket
@@ -29,7 +28,7 @@ from appliance.testing.fake_sglang.answer import Script, reasoning_tokens
 from appliance.testing.fake_sglang.prefixcache import PrefixCache
 from appliance.testing.fake_sglang.tools import Call, arguments
 from tests.conftest import wait_for
-from tests.test_fake_sglang import Emulator, group_gone
+from tests.test_fake_sglang import Emulator, group_gone, small_model
 
 KEY = "sk-emulator-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -47,20 +46,9 @@ LOOKUP = {"type": "function", "function": {
         "query": {"type": "string"}}, "required": ["query"]}}}
 
 
-def model_root(root: Path) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    for index in range(1, 4):
-        (root / f"model-{index:05d}-of-00003.safetensors").write_bytes(os.urandom(1 << 20))
-    (root / "config.json").write_text(json.dumps({
-        "model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
-        "text_config": {"max_position_embeddings": 262144},
-        "quantization_config": {"quant_method": "compressed-tensors"}}))
-    return root
-
-
 @contextlib.contextmanager
 def running(root: Path, *flags: str) -> Iterator[Emulator]:
-    emu = Emulator(root, [str(model_root(root / "model")), "--tp-size", "2",
+    emu = Emulator(root, [str(small_model(root / "model", 1 << 20)), "--tp-size", "2",
                           "--max-running-requests", "2", "--served-model-name", MODEL, *flags],
                    FAKE_SGLANG_LOAD_SECONDS="1")
     try:
