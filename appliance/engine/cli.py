@@ -64,12 +64,12 @@ def run(args: argparse.Namespace, config: Config) -> int:
         if command == "logs":
             return show_logs(api, args)
         if command == "status":
-            status = _checked(api.get("/api/v1/engine/"))
+            status = checked(api.get("/api/v1/engine/"))
         else:
             body: dict[str, Any] = {"confirm": bool(getattr(args, "yes", False))}
             if args.at is not None:
                 body["at"] = args.at.isoformat()
-            status = _checked(api.post(f"/api/v1/engine/{command}", json=body))
+            status = checked(api.post(f"/api/v1/engine/{command}", json=body))
     if args.json:
         print(json.dumps(status, indent=2))
     else:
@@ -170,10 +170,12 @@ def daemon_api(config: Config) -> Iterator[httpx.Client]:
         db.dispose()
 
 
-def _checked(response: httpx.Response) -> dict[str, Any]:
+def checked(response: httpx.Response, code: str = "engine_api") -> dict[str, Any]:
+    """The daemon API's JSON answer, or its problem document raised as an ApplianceError
+    (`code` when the answer names none). Shared by the CLIs that go through `daemon_api`."""
     body = response.json()
     if response.status_code >= 400:
-        raise ApplianceError(str(body.get("code", "engine_api")), str(body.get("detail")),
+        raise ApplianceError(str(body.get("code", code)), str(body.get("detail")),
                              str(body.get("hint", "")), exit_code=1)
     assert isinstance(body, dict)
     return body
@@ -202,7 +204,7 @@ def show_logs(api: httpx.Client, args: argparse.Namespace) -> int:
         params["rank"] = args.rank
     if args.level:
         params["level"] = args.level
-    for line in _checked(api.get("/api/v1/engine/log", params=params))["lines"]:
+    for line in checked(api.get("/api/v1/engine/log", params=params))["lines"]:
         print(line)
     if args.follow:
         params.pop("lines")

@@ -16,6 +16,7 @@ import json
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -91,8 +92,9 @@ def _mode(config: Config) -> Iterator[object | None]:
 
 
 def _remote(args: argparse.Namespace, config: Config) -> int:
-    from appliance.engine.cli import daemon_api
+    from appliance.engine.cli import checked, daemon_api
 
+    _checked = partial(checked, code="weights_api")
     command = args.weights_command
     with daemon_api(config) as api:
         if command == "status":
@@ -133,15 +135,6 @@ def _follow(poll: Callable[[], dict[str, Any]], quiet: bool) -> dict[str, Any]:
         return poll()
     bar.done()
     return view
-
-
-def _checked(response: Any) -> dict[str, Any]:
-    body = response.json()
-    if response.status_code >= 400:
-        raise ApplianceError(str(body.get("code", "weights_api")), str(body.get("detail")),
-                             str(body.get("hint", "")), exit_code=1)
-    assert isinstance(body, dict)
-    return body
 
 
 # --- in this process ------------------------------------------------------------------------

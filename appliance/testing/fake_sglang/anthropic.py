@@ -20,6 +20,8 @@ import json
 import re
 from typing import Any
 
+from appliance.testing.fake_sglang import protocol as oai
+
 SERVER_TOOL = re.compile(r"^(web_search|computer|bash|text_editor)_\d{8}$")
 ROLES = ("user", "assistant", "system")
 
@@ -78,12 +80,8 @@ def validate(body: dict[str, Any], *, count_only: bool = False) -> None:
 
 
 def text_of(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(str(b.get("text", "")) for b in content
-                         if isinstance(b, dict) and b.get("type") == "text")
-    return ""
+    """Anthropic's text blocks, one per line."""
+    return oai.text_of(content, "\n")
 
 
 def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:

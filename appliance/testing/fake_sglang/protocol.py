@@ -80,11 +80,12 @@ def sampling(body: dict[str, Any], *, native: bool = False) -> Sampling:
                     continuous_usage=options.get("continuous_usage_stats") is True)
 
 
-def _text_of(content: Any) -> str:
+def text_of(content: Any, sep: str = " ") -> str:
+    """The text of a message's content: a string, or its text parts joined by `sep`."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return " ".join(str(part.get("text", "")) for part in content
+        return sep.join(str(part.get("text", "")) for part in content
                         if isinstance(part, dict) and part.get("type") == "text")
     return ""
 
@@ -117,7 +118,7 @@ def chat_prompt(body: dict[str, Any]) -> Prompt:
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise BadRequest("each message needs a role", "messages")
-        text = " ".join(t for t in (_text_of(message.get("content")), _calls_text(message)) if t)
+        text = " ".join(t for t in (text_of(message.get("content")), _calls_text(message)) if t)
         parts.append(f"{message['role']}: {text}")
         ids += block(message["role"], text)
     return Prompt("\n".join(parts), (*ids, *GENERATION_PROMPT))
