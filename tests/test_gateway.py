@@ -149,6 +149,7 @@ def test_client_disconnect_aborts_the_engine_request_and_frees_the_slot(
     wait_for(lambda: gateway.parts.admission.in_use == 0, "the slot to be free")
     rows = gateway.usage_rows(1)
     assert rows[-1][3:5] == (499, "client_closed")
+    assert rows[-1][6] >= 1  # no usage from the engine: the chunks it sent are counted
 
 
 def test_queue_full_and_queue_timeout_answer_429_with_retry_after(

@@ -62,7 +62,7 @@ class Exchange:
     queue_ms: float = 0.0
     ttft: float | None = None
     usage: Usage = field(default_factory=Usage)
-    events: int = 0
+    meter: StreamMeter | None = None  # a stream's, kept here so a cut-short one still counts
     response_started: bool = False
     response_done: bool = False
 
@@ -176,7 +176,7 @@ class GatewayApp:
             if refusal is not None:
                 raise refusal
             self._check_key_limits(key, ex)
-            await self._guarded(ex, key, parsed, scope, headers, receive, send)
+            await self._guarded(ex, key, parsed, headers, receive, send)
         except GatewayError as err:
             ex.status, ex.outcome = err.status, err.code
             if not ex.response_started:
@@ -227,7 +227,7 @@ class GatewayApp:
                                    f"this key may send {limits.requests_per_minute} requests a "
                                    "minute", retry_after=wait)
 
-    async def _guarded(self, ex: Exchange, key: KeyEntry, parsed: Parsed, scope: Message,
+    async def _guarded(self, ex: Exchange, key: KeyEntry, parsed: Parsed,
                        headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:
         """Admit and forward, while a watcher listens for the client going away."""
         self.inflight[key.id] = self.inflight.get(key.id, 0) + 1
@@ -329,7 +329,8 @@ class GatewayApp:
 
     async def _stream(self, ex: Exchange, parsed: Parsed, response: aiohttp.ClientResponse,
                       send: Send) -> None:
-        meter = StreamMeter(strip_usage=not parsed.wants_usage)
+        meter = ex.meter = StreamMeter(strip_usage=not parsed.wants_usage)
+        ex.usage = meter.usage  # filled in as the events pass
         ex.response_started = True
         await send({"type": "http.response.start", "status": 200, "headers": STREAM_HEADERS})
         async for chunk in response.content.iter_any():
@@ -339,7 +340,6 @@ class GatewayApp:
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
         tail = meter.finish()
-        ex.usage, ex.events = meter.usage, meter.events
         ex.response_done = True
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
@@ -351,8 +351,8 @@ class GatewayApp:
         duration = ended - ex.started
         endpoint = ex.endpoint.name if ex.endpoint else ""
         usage = ex.usage
-        if not usage.reported and ex.events:
-            usage.completion_tokens = ex.events  # cut short: count the chunks sent
+        if not usage.reported and ex.meter is not None and ex.meter.events:
+            usage.completion_tokens = ex.meter.events  # cut short: count the chunks sent
         metrics = parts.metrics
         metrics.requests.labels(endpoint, str(ex.status), ex.outcome).inc()
         metrics.duration.labels(endpoint).observe(duration)
