@@ -256,12 +256,63 @@ class WeightsConfig:
                                    "when host RAM comfortably exceeds the model")
 
 
+def _version(value: str) -> str | None:
+    parts = value.split(".")
+    return None if all(p.isdigit() for p in parts) else "a dotted version such as 580.95.05"
+
+
 @dataclasses.dataclass(frozen=True)
 class GpuConfig:
     """The box this appliance expects: any deviation is a finding."""
 
     expected_count: int = _key(8, _nonnegative, "GPUs the engine needs")
     expected_model: str = _key("B300", doc="text every GPU's name must contain")
+    min_driver_version: str = _key("580", _version, "oldest NVIDIA driver accepted (dotted)")
+    temperature_warn_c: int = _key(85, _positive, "GPU temperature that is a warning")
+    temperature_critical_c: int = _key(92, _positive, "GPU temperature that is critical")
+
+
+def _url_or_empty(value: str) -> str | None:
+    ok = value == "" or value.startswith(("http://", "https://"))
+    return None if ok else "empty (no webhook) or an http:// or https:// URL"
+
+
+def _percent(value: int) -> str | None:
+    return None if 0 <= value <= 100 else "a percentage from 0 to 100"
+
+
+@dataclasses.dataclass(frozen=True)
+class HealthConfig:
+    """The health monitor: how often each check runs, its thresholds, alerts and policy."""
+
+    gpu_interval_seconds: int = _key(15, _positive, "GPU checks (NVML) every this often")
+    engine_interval_seconds: int = _key(10, _positive, "/ready and /metrics every this often")
+    host_interval_seconds: int = _key(30, _positive, "disk, memory and load every this often")
+    nvml_timeout_seconds: int = _key(10, _positive, "an NVML read slower than this is hung")
+    canary_interval_seconds: int = _key(
+        300, _positive, "/health_generate and the latency canary at most this often")
+    canary_max_load: int = _key(
+        2, _nonnegative, "generation probes run only when running+queued requests are at "
+        "most this (never on a busy engine)")
+    canary_ttft_warn_ms: int = _key(5000, _positive, "canary time to first token that warns")
+    generate_timeout_seconds: int = _key(
+        60, _positive, "a /health_generate or canary slower than this fails")
+    restart_degraded_after_minutes: int = _key(
+        0, _nonnegative, "restart an engine DEGRADED this long (never one that is loading); "
+        "0: never restart automatically")
+    models_free_warn_gib: int = _key(100, _nonnegative, "models volume free space that warns")
+    models_free_critical_gib: int = _key(20, _nonnegative, "models volume free space, critical")
+    state_free_warn_gib: int = _key(5, _nonnegative, "state volume free space that warns")
+    state_free_critical_gib: int = _key(1, _nonnegative, "state volume free space, critical")
+    memory_available_warn_percent: int = _key(10, _percent, "available RAM (%) that warns")
+    shm_free_warn_gib: int = _key(4, _nonnegative, "free /dev/shm that warns")
+    daemon_rss_warn_mib: int = _key(2048, _positive, "the daemon's own memory that warns")
+    history_fine_hours: int = _key(24, _positive, "fine samples kept this long")
+    history_hourly_days: int = _key(30, _positive, "hourly roll-ups kept this long")
+    webhook_url: str = _key("", _url_or_empty, "alerts are POSTed here as JSON; empty: none")
+    webhook_retries: int = _key(5, _nonnegative, "delivery retries (backoff doubles)")
+    metrics_public: bool = _key(True, doc="serve /metrics without a login (for Prometheus); "
+                                "false: an admin API token is needed")
 
 
 def _host(value: str) -> str | None:
@@ -302,6 +353,7 @@ class Config:
     gpu: GpuConfig = dataclasses.field(default_factory=GpuConfig)
     weights: WeightsConfig = dataclasses.field(default_factory=WeightsConfig)
     gateway: GatewayConfig = dataclasses.field(default_factory=GatewayConfig)
+    health: HealthConfig = dataclasses.field(default_factory=HealthConfig)
     source: str = "built-in defaults"
     dev: bool = False
 
@@ -329,6 +381,7 @@ SECTIONS: dict[str, type[Any]] = {
     "gpu": GpuConfig,
     "weights": WeightsConfig,
     "gateway": GatewayConfig,
+    "health": HealthConfig,
 }
 
 

@@ -55,8 +55,11 @@ START_ORDER = (
 
 
 def admits_requests(state: EngineState) -> bool:
-    """The gateway forwards new requests only in these states (draining stops admission)."""
-    return state in SERVING
+    """The gateway forwards new requests only to a READY engine. DEGRADED is alive but
+    failing (/ready or a generation fails: a wedged scheduler would hold every request until
+    its timeout), so new requests get a 503 with Retry-After while requests already in
+    flight finish; draining stops admission too."""
+    return state is EngineState.READY
 
 
 def later_start_phase(current: EngineState, candidate: EngineState) -> EngineState:

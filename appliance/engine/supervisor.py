@@ -51,6 +51,7 @@ from appliance.engine.states import (
     STARTING,
     Command,
     EngineState,
+    admits_requests,
     decide_after_crash,
     later_start_phase,
     reason_from_exit,
@@ -104,7 +105,7 @@ class EngineStatus:
 
     @property
     def admits_requests(self) -> bool:
-        return self.state in SERVING
+        return admits_requests(self.state)
 
 
 @dataclass
@@ -214,6 +215,10 @@ class Supervisor:
         self._run_writes = asyncio.Lock()
         # The tuning layer of the launch spec (the applied memory split; tuning/service.py).
         self.tuning_args: tuple[tuple[str, str | None], ...] = ()
+        # Why the serving engine is failing, by source ("ready": this watcher's /ready probe
+        # and the first generation; "health": the health monitor). DEGRADED while any is set.
+        self._failures: dict[str, tuple[str, str]] = {}
+        self._degraded_at: float | None = None  # monotonic, when it last turned DEGRADED
 
     # --- reading ------------------------------------------------------------------------
 
@@ -242,6 +247,44 @@ class Supervisor:
     @property
     def log_path(self) -> Path:
         return self.config.paths.log_dir / "engine.log"
+
+    def engine_pids(self) -> frozenset[int]:
+        """The processes of the engine being followed (its whole tree, as seen so far)."""
+        return frozenset(self._live.pids) if self._live is not None else frozenset()
+
+    @property
+    def degraded_seconds(self) -> float | None:
+        """How long the engine has been DEGRADED (None when it is not)."""
+        if self._status.state is not EngineState.DEGRADED or self._degraded_at is None:
+            return None
+        return self.clock.monotonic() - self._degraded_at
+
+    async def report_health(self, source: str, failure: str | None, hint: str = "") -> None:
+        """A check's verdict on the serving engine: `failure` says what fails, None that it
+        is healthy again. READY turns DEGRADED while any source reports a failure and back
+        to READY once none does. Anything but a serving engine is ignored: a check never
+        changes a starting, stopping or stopped engine, and never restarts anything."""
+        if self._status.state not in SERVING:
+            return
+        if failure is None:
+            if self._failures.pop(source, None) is None:
+                return
+        else:
+            self._failures[source] = (failure, hint)
+        await self._settle()
+
+    async def _settle(self) -> None:
+        state = self._status.state
+        if self._failures and state is EngineState.READY:
+            failure, hint = next(iter(self._failures.values()))
+            self._transition(EngineState.DEGRADED, f"alive but failing: {failure}; not "
+                             "restarted", hint=hint or "look at the engine log; restart it "
+                             "yourself if it does not recover")
+            await self._event("warning", f"engine degraded: {failure} (alive, not restarted;"
+                                         " new requests are refused until it recovers)")
+        elif not self._failures and state is EngineState.DEGRADED:
+            self._transition(EngineState.READY, "serving again", hint="")
+            await self._event("info", "engine recovered: serving again")
 
     def on_change(self, listener: Callable[[EngineStatus], None]) -> None:
         self._listeners.append(listener)
@@ -403,6 +446,7 @@ class Supervisor:
 
     def _follow(self, live: _Live) -> None:
         self._live = live
+        self._failures.clear()  # a new engine: earlier verdicts were about another one
         self._set(run_id=live.run.id, log=live.parsed)
         self._watcher = asyncio.create_task(self._watch(live))
 
@@ -444,16 +488,7 @@ class Supervisor:
                 if now - last_ready_probe >= self.ready_interval:
                     last_ready_probe = now
                     ok = await self.client.ready()
-                    if ok and state is EngineState.DEGRADED:
-                        self._transition(EngineState.READY, "serving again")
-                        await self._event("info", "engine recovered: /ready answers again")
-                    elif not ok and state is EngineState.READY:
-                        self._transition(EngineState.DEGRADED,
-                                         "alive but /ready fails; not restarted",
-                                         hint="look at the engine log; restart it yourself "
-                                              "if it does not recover")
-                        await self._event("warning", "engine degraded: /ready fails "
-                                                     "(alive, not restarted)")
+                    await self.report_health("ready", None if ok else "/ready fails")
                 self._set(log=live.shown)
 
     async def _gpu_bytes(self, previous: int) -> int:
@@ -530,6 +565,8 @@ class Supervisor:
             self._transition(state, "ready", percent=100.0, eta_seconds=0.0)
             await self._event("info", f"engine ready after {seconds / 60:.1f} min")
         else:
+            # Cleared by the next /ready that answers, as any "ready" failure is.
+            self._failures["ready"] = ("/health_generate failed after the ready line", "")
             self._transition(state, "started but /health_generate failed",
                              hint="the engine wrote its ready line but did not answer a "
                                   "generation; look at its log")
@@ -714,6 +751,8 @@ class Supervisor:
         if parsed.ready:
             healthy = await self.client.ready()
             state = EngineState.READY if healthy else EngineState.DEGRADED
+            if not healthy:
+                self._failures["ready"] = ("/ready fails", "")
             self._transition(state, "ready" if healthy else "adopted; /ready fails",
                              percent=100.0)
 
@@ -732,6 +771,8 @@ class Supervisor:
 
     def _transition(self, state: EngineState, message: str, **changes: Any) -> None:
         previous = self._status.state
+        if state is EngineState.DEGRADED and previous is not EngineState.DEGRADED:
+            self._degraded_at = self.clock.monotonic()
         self._set(state=state, message=message, since=self.clock.now()
                   if state is not previous else self._status.since, **changes)
         live = self._live
