@@ -191,3 +191,22 @@ def test_requests_already_queued_are_refused_once_the_engine_drains(
                        headers=auth(key))
     assert reply.status_code == 503 and "draining" in reply.json()["error"]["message"]
     assert emulator_stats(gateway_engine)["requests_total"] == before
+
+
+def test_a_degraded_engine_gets_no_new_requests_until_it_recovers(
+        gateway: LiveGateway, gateway_engine: Emulator) -> None:
+    """Alive but failing (fault case 8): new requests get 503 with Retry-After and never
+    reach the engine; once the supervisor publishes READY again they flow."""
+    key = gateway.key()
+    before = emulator_stats(gateway_engine)["requests_total"]
+    gateway.publish("degraded", "alive but failing: /ready fails; not restarted")
+    gateway.wait_admitting(False)
+    reply = httpx.post(f"{gateway.url}/v1/chat/completions", json=chat_body(),
+                       headers=auth(key))
+    assert reply.status_code == 503 and reply.headers["retry-after"]
+    assert "degraded" in reply.json()["error"]["message"]
+    assert emulator_stats(gateway_engine)["requests_total"] == before
+    gateway.publish("ready", "serving again")
+    gateway.wait_admitting()
+    assert httpx.post(f"{gateway.url}/v1/chat/completions", json=chat_body(),
+                      headers=auth(key)).status_code == 200
