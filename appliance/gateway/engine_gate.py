@@ -4,9 +4,10 @@ plane publishes it (`appliance.engine.publish`), plus the engine's own capacity.
 Fed by the gateway's half-second poll (`GatewayParts.poll_once`). While the published state
 admits requests (READY only: a DEGRADED engine is alive but failing) and the engine's
 figures are known, requests go through; otherwise each gets a 503 with Retry-After and a
-message that says the state and, during a start, the ETA. When the state turns serving, the gateway asks the engine for its effective `max_running_requests`
-(`/server_info`, summed over data-parallel ranks) and its context length (`/v1/models`
-`max_model_len`); an operator's `gateway.max_concurrency` overrides the first.
+message that says the state and, during a start, the ETA. When the state turns serving,
+the gateway asks the engine for its effective `max_running_requests` (`/server_info`,
+summed over data-parallel ranks) and its context length (`/v1/models` `max_model_len`); an
+operator's `gateway.max_concurrency` overrides the first.
 """
 
 from __future__ import annotations
