@@ -2,8 +2,14 @@
 
 The only module that imports pynvml, and only inside functions: importing this module loads
 nothing and touches no driver. `NvmlGpus.snapshot()` initialises NVML on first use (and again
-after a failure, so a driver loaded later is picked up), then reads the inventory, memory and
-compute processes. Every NVML failure becomes an error snapshot with a hint; nothing raises.
+after a failure, so a driver loaded later is picked up), then reads the inventory, memory,
+compute processes and the health telemetry (temperature, power, utilisation, ECC and row
+remapping, clock event reasons, NVLink, fabric state, recent Xids). Every NVML failure becomes
+an error snapshot with a hint; nothing raises.
+
+Telemetry is best effort per field: a reading the GPU or driver does not support (or that an
+older binding lacks) is None, "not read". Only a GPU that is lost fails the whole GPU, and
+only NVML being unusable fails the snapshot.
 
 NVML calls can block in the kernel on a sick GPU: call `snapshot()` from a worker thread
 through `appliance.gpu.snapshot_with_timeout`, never on the event loop.
@@ -13,9 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Mapping
 from typing import Any
 
-from appliance.gpu.port import GpuInfo, GpuProcess, GpuSnapshot
+from appliance.clock import Clock, SystemClock
+from appliance.gpu.nvml_events import XidWatch
+from appliance.gpu.nvml_telemetry import read_telemetry, text
+from appliance.gpu.port import GpuInfo, GpuProcess, GpuSnapshot, XidEvent
 
 DRIVER_HINT = "check `nvidia-smi`; if it fails too, see `dmesg` for NVIDIA driver errors"
 DRIVER_NOT_LOADED = (
@@ -75,10 +85,6 @@ def explain_nvml_error(code: int, detail: str) -> tuple[str, str]:
     return f"NVML error: {detail} (code {code})", DRIVER_HINT
 
 
-def _text(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-
-
 def _cuda_version(value: int) -> str:
     """NVML reports the driver's CUDA version as 1000*major + 10*minor (12080 -> "12.8")."""
     return f"{value // 1000}.{value % 1000 // 10}"
@@ -90,12 +96,14 @@ class NvmlGpus:
 
     `nvml` is the binding: pynvml, imported on first use, unless a stand-in with the same
     functions and errors is given (tests, to drive the paths a real driver rarely takes).
+    `clock` stamps and ages the Xid events (`appliance.gpu.nvml_events`).
     """
 
-    def __init__(self, nvml: Any | None = None) -> None:
+    def __init__(self, nvml: Any | None = None, clock: Clock | None = None) -> None:
         self._nvml = nvml
         self._init_lock = threading.Lock()
         self._initialized = False
+        self._xids = XidWatch(clock or SystemClock())
 
     def _binding(self) -> Any:
         if self._nvml is None:
@@ -131,6 +139,7 @@ class NvmlGpus:
                 return
             self._initialized = False
             nv = self._binding()
+            self._xids.close(nv)
             with contextlib.suppress(nv.NVMLError):
                 nv.nvmlShutdown()
 
@@ -138,29 +147,35 @@ class NvmlGpus:
         with self._init_lock:
             if not self._initialized:
                 nv.nvmlInit()  # raises on a missing library or driver; retried next snapshot
+                self._xids.start(nv, nv.nvmlDeviceGetCount())  # Xids from now on
                 self._initialized = True
-        driver = _text(nv.nvmlSystemGetDriverVersion())
+        driver = text(nv.nvmlSystemGetDriverVersion())
         cuda = _cuda_version(nv.nvmlSystemGetCudaDriverVersion())
         count = nv.nvmlDeviceGetCount()
-        gpus = tuple(self._gpu(nv, index) for index in range(count))
+        xids = self._xids.collect(nv)
+        gpus = tuple(self._gpu(nv, index, xids) for index in range(count))
         return GpuSnapshot(driver_version=driver, cuda_version=cuda, gpus=gpus)
 
-    def _gpu(self, nv: Any, index: int) -> GpuInfo:
+    def _gpu(self, nv: Any, index: int, xids: Mapping[str, tuple[XidEvent, ...]]) -> GpuInfo:
         """One GPU; a GPU that does not answer is reported with its error, not dropped, so
         the count stays what the driver enumerates."""
         try:
             handle = nv.nvmlDeviceGetHandleByIndex(index)
-            name = _text(nv.nvmlDeviceGetName(handle))
-            uuid = _text(nv.nvmlDeviceGetUUID(handle))
+            name = text(nv.nvmlDeviceGetName(handle))
+            uuid = text(nv.nvmlDeviceGetUUID(handle))
             memory = nv.nvmlDeviceGetMemoryInfo(handle)
             processes = self._processes(nv, handle)
+            telemetry = read_telemetry(nv, handle)
         except nv.NVMLError as exc:
+            if exc.value == nv.NVML_ERROR_UNINITIALIZED:
+                raise  # NVML itself, not this GPU: `snapshot` fails and re-initialises
             message, hint = explain_nvml_error(exc.value, str(exc))
             return GpuInfo(index=index, uuid="", name="", memory_total_bytes=0,
                            memory_used_bytes=0, error=message, hint=hint)
         return GpuInfo(
             index=index, uuid=uuid, name=name, memory_total_bytes=int(memory.total),
             memory_used_bytes=int(memory.used), processes=processes,
+            xid_events=xids.get(uuid), **telemetry,
         )
 
     def _processes(self, nv: Any, handle: Any) -> tuple[GpuProcess, ...]:
@@ -177,7 +192,7 @@ class NvmlGpus:
         processes = []
         for proc in running:
             try:
-                name = _text(nv.nvmlSystemGetProcessName(proc.pid))
+                name = text(nv.nvmlSystemGetProcessName(proc.pid))
             except nv.NVMLError:
                 name = ""  # exited meanwhile, or not ours to read
             used = proc.usedGpuMemory  # None when the driver does not report it

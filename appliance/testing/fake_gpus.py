@@ -1,9 +1,12 @@
 """Fake GPUs: a test and demo instrument, never used in production (which reads NVML).
 
 `FakeGpus` is a real `GpuPort` built from data: by default the box this appliance is made for,
-eight idle "NVIDIA B300 SXM6 AC". Knobs change what the next `snapshot()` reports, the way the
-real thing goes wrong: a GPU lost or gone, a foreign compute process, memory in use, NVML
-unavailable, NVML hanging. Knobs may be turned from any thread.
+eight idle, healthy "NVIDIA B300 SXM6 AC" (cool, at their default power limit, ECC on and
+clean, 18 NVLinks up, the NVSwitch fabric set up, no Xid). Knobs change what the next
+`snapshot()` reports, the way the real thing goes wrong: a GPU lost or gone, a foreign
+compute process, memory in use, ECC errors, an Xid, a hot or throttled GPU, links down, the
+fabric manager stopped, NVML unavailable, NVML hanging. `set_fields` sets any telemetry field
+of `GpuInfo` as NVML would report it. Knobs may be turned from any thread.
 
 With `state_file=`, it follows the engine emulator (`appliance.testing.fake_sglang`), which
 writes what its pretend GPUs hold as it loads and serves:
@@ -13,14 +16,23 @@ writes what its pretend GPUs hold as it loads and serves:
                "processes": [{"pid": 4242, "used_bytes": 210000000000, "name": "sglang"}]}]}
 
 Listed GPUs report those figures; a listed process that has exited is dropped and, as on real
-GPUs, its memory is freed (a GPU whose listed processes are all gone reads idle). A missing or
-malformed file (not JSON, wrong shape, wrong types) means idle GPUs. The writer should replace
-the file atomically (temporary file, then rename) so a reader never sees half of it.
+GPUs, its memory is freed (a GPU whose listed processes are all gone reads idle). A GPU the
+emulator's live processes hold is busy: its utilisation, power and temperature rise with the
+share of its memory in use (weights loading, then full pools while serving) and drift on a
+slow wave offset per GPU, so the demo's charts move; the figures are a pure function of that
+share, the GPU's index and `clock.monotonic()` (no randomness). An entry may also carry
+"temperature_c", "power_w" and "utilization_pct" (non-negative numbers), which replace the
+derived ones. A missing or malformed file (not JSON, wrong shape, wrong types) means idle
+GPUs. Knobs win over the file. The writer should replace the file atomically (temporary file,
+then rename) so a reader never sees half of it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
 import json
+import math
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +40,16 @@ from typing import Any, TypeGuard
 
 import psutil
 
+from appliance.clock import Clock, SystemClock
 from appliance.gpu.nvml import DRIVER_NOT_LOADED, GPU_IS_LOST
-from appliance.gpu.port import GpuInfo, GpuProcess, GpuSnapshot
+from appliance.gpu.port import (
+    FABRIC_COMPLETED,
+    THROTTLE_GPU_IDLE,
+    GpuInfo,
+    GpuProcess,
+    GpuSnapshot,
+    XidEvent,
+)
 
 MIB = 1 << 20
 B300_NAME = "NVIDIA B300 SXM6 AC"
@@ -40,20 +60,85 @@ B300_NAME = "NVIDIA B300 SXM6 AC"
 B300_MEMORY_BYTES = 275_040 * MIB
 FAKE_DRIVER_VERSION = "580.95.05"
 FAKE_CUDA_VERSION = "13.0"
+B300_POWER_LIMIT_W = 1100.0  # the HGX B300 board's default; replace it with a box reading
+B300_NVLINKS = 18  # NVLink 5 links per Blackwell GPU
+# PCI buses of an HGX baseboard's eight GPUs (illustrative; every server numbers its own).
+_BUSES = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
+
+# What an idle, healthy B300 reports. pci_device_id stays None (not read): no B300 reading
+# was at hand, and a made-up id would look like a fact.
+_IDLE_TEMPERATURE_C = 34.0
+_IDLE_POWER_W = 190.0
+_IDLE = {
+    "temperature_c": _IDLE_TEMPERATURE_C,
+    "power_w": _IDLE_POWER_W,
+    "power_limit_w": B300_POWER_LIMIT_W,
+    "power_default_limit_w": B300_POWER_LIMIT_W,
+    "utilization_pct": 0.0,
+    "ecc_enabled": True,
+    "ecc_uncorrected_volatile": 0,
+    "ecc_uncorrected_aggregate": 0,
+    "ecc_corrected_volatile": 0,
+    "remapped_rows_correctable": 0,
+    "remapped_rows_uncorrectable": 0,
+    "remap_pending": False,
+    "remap_failed": False,
+    "retired_pages": None,  # Blackwell remaps rows; page retirement reads "not supported"
+    "retired_pages_pending": None,
+    "throttle_reasons": (THROTTLE_GPU_IDLE,),
+    "nvlink_up": B300_NVLINKS,
+    "nvlink_total": B300_NVLINKS,
+    "fabric_state": FABRIC_COMPLETED,
+    "fabric_error": None,
+    "xid_events": (),
+}
+# GpuInfo fields `set_fields` may change: everything but identity, memory and processes,
+# which have knobs of their own.
+SETTABLE = frozenset(f.name for f in dataclasses.fields(GpuInfo)) - {
+    "index", "uuid", "name", "memory_total_bytes", "memory_used_bytes", "processes",
+    "error", "hint"}
+_FOLLOWED = ("temperature_c", "power_w", "utilization_pct")  # optional in the state file
+# A busy GPU's figures swing on this period: slow enough that 15-second samples draw a curve
+# on the dashboard's hour-long sparklines, fast enough that a few minutes show movement.
+_WAVE_SECONDS = 300.0
+
+
+def _busy(load: float, index: int, at: float) -> dict[str, Any]:
+    """What GPU `index` reports at monotonic time `at` while the emulator holds `load` (0..1)
+    of its memory. At full pools (load ~0.95) it swings between about 50% and 90%
+    utilisation, 700 and 950 W of the 1100 W limit and 60 and 72 °C: busy, and below every
+    warning line, so a demo box stays healthy until a knob says otherwise."""
+    load = max(0.0, min(1.0, load))
+    wave = 0.5 + 0.5 * math.sin(2 * math.pi * at / _WAVE_SECONDS + 0.8 * index)
+    return {
+        "utilization_pct": round(load * (55.0 + 40.0 * wave), 1),
+        "power_w": round(_IDLE_POWER_W + load * (560.0 + 260.0 * wave), 1),
+        "temperature_c": round(_IDLE_TEMPERATURE_C + load * (28.0 + 12.0 * wave), 1),
+        "throttle_reasons": () if load else _IDLE["throttle_reasons"],  # not idle any more
+    }
+
+
+def _bus_id(index: int) -> str:
+    bus = _BUSES[index] if index < len(_BUSES) else 0xE0 + index
+    return f"00000000:{bus:02X}:00.0"
+
 
 @dataclass
 class _Gpu:
     uuid: str
     name: str
     total: int
+    pci_bus_id: str
     used: int = 0  # without the processes added by knobs
     processes: list[GpuProcess] = field(default_factory=list)
     lost: bool = False
+    fields: dict[str, Any] = field(default_factory=dict)  # set by knobs, over _IDLE
 
 
 class FakeGpus:
     """A `GpuPort` for tests and the demo. `count` GPUs named `name` with `memory_total_bytes`
-    each, idle until a knob or the emulator's state file says otherwise."""
+    each, idle until a knob or the emulator's state file says otherwise. `clock` drives the
+    drift of busy GPUs' figures (see the module docstring)."""
 
     def __init__(
         self,
@@ -64,11 +149,13 @@ class FakeGpus:
         driver_version: str = FAKE_DRIVER_VERSION,
         cuda_version: str = FAKE_CUDA_VERSION,
         state_file: Path | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self._lock = threading.Lock()
+        self._clock = clock or SystemClock()
         self._gpus = [
             _Gpu(uuid=f"GPU-fa4e0000-b300-4000-8000-{i:012x}", name=name,
-                 total=memory_total_bytes)
+                 total=memory_total_bytes, pci_bus_id=_bus_id(i))
             for i in range(count)
         ]
         self._versions = (driver_version, cuda_version)
@@ -107,6 +194,39 @@ class FakeGpus:
         with self._lock:
             self._gpus[index].used = used_bytes
 
+    def set_fields(self, index: int, **fields: Any) -> None:
+        """GPU `index` reports these `GpuInfo` fields as given, e.g.
+        `set_fields(3, temperature_c=93.0, throttle_reasons=("hw_thermal",))`; a field set to
+        None reads "not read". Unknown or identity fields are refused."""
+        unknown = set(fields) - SETTABLE
+        if unknown:
+            raise ValueError(f"not settable GpuInfo fields: {sorted(unknown)}")
+        with self._lock:
+            self._gpus[index].fields.update(fields)
+
+    def add_ecc_errors(self, index: int, uncorrectable: int = 1, correctable: int = 0) -> None:
+        """ECC errors happen on GPU `index`: the volatile (since driver load) and aggregate
+        (lifetime) counters rise."""
+        with self._lock:
+            gpu = self._gpus[index]
+            for name, more in (("ecc_uncorrected_volatile", uncorrectable),
+                               ("ecc_uncorrected_aggregate", uncorrectable),
+                               ("ecc_corrected_volatile", correctable)):
+                gpu.fields[name] = (gpu.fields.get(name, _IDLE[name]) or 0) + more
+
+    def add_xid(self, index: int, xid: int, at: dt.datetime | None = None) -> None:
+        """NVML reports Xid `xid` on GPU `index` (kept until `clear_xids`)."""
+        event = XidEvent(xid=xid, at=at or dt.datetime.now(dt.UTC))
+        with self._lock:
+            gpu = self._gpus[index]
+            gpu.fields["xid_events"] = (*(gpu.fields.get("xid_events") or ()), event)
+
+    def clear_xids(self) -> None:
+        """The reported Xids age out of the window."""
+        with self._lock:
+            for gpu in self._gpus:
+                gpu.fields["xid_events"] = ()
+
     def fail(self, error: str = DRIVER_NOT_LOADED[0], hint: str = DRIVER_NOT_LOADED[1]) -> None:
         """NVML becomes unusable (by default: the driver is not loaded)."""
         with self._lock:
@@ -140,29 +260,34 @@ class FakeGpus:
             self._release.wait(hang_s)
         with self._lock:
             failure = self._failure
-            gpus = [(g.uuid, g.name, g.total, g.used, tuple(g.processes), g.lost)
-                    for g in self._gpus]
+            gpus = [(g.uuid, g.name, g.total, g.pci_bus_id, g.used, tuple(g.processes),
+                     g.lost, dict(g.fields)) for g in self._gpus]
         if failure is not None:
             return GpuSnapshot.unavailable(*failure)
         followed = self._follow() if self.state_file is not None else {}
+        at = self._clock.monotonic()
         infos = []
-        for index, (uuid, name, total, used, extra, lost) in enumerate(gpus):
+        for index, (uuid, name, total, bus, used, extra, lost, knobs) in enumerate(gpus):
             if lost:
                 error, hint = GPU_IS_LOST
                 infos.append(GpuInfo(index=index, uuid="", name="", memory_total_bytes=0,
                                      memory_used_bytes=0, error=error, hint=hint))
                 continue
-            base_used, base_processes = followed.get(index, (used, ()))
+            base_used, base_processes, figures = followed.get(index, (used, (), {}))
             processes = base_processes + extra
             in_use = min(total, base_used + sum(p.used_bytes for p in extra))
+            # Only the emulator's live processes make a GPU busy; a process added by a knob
+            # (a stranger, in tests) leaves the idle figures alone.
+            busy = _busy(base_used / total, index, at) if base_processes and total else {}
+            fields = {"pci_bus_id": bus, **_IDLE, **busy, **figures, **knobs}
             infos.append(GpuInfo(index=index, uuid=uuid, name=name, memory_total_bytes=total,
-                                 memory_used_bytes=in_use, processes=processes))
+                                 memory_used_bytes=in_use, processes=processes, **fields))
         driver, cuda = self._versions
         return GpuSnapshot(driver_version=driver, cuda_version=cuda, gpus=tuple(infos))
 
-    def _follow(self) -> dict[int, tuple[int, tuple[GpuProcess, ...]]]:
-        """index -> (memory used, live processes) from the emulator's state file; {} when the
-        file is missing or malformed."""
+    def _follow(self) -> dict[int, tuple[int, tuple[GpuProcess, ...], dict[str, float]]]:
+        """index -> (memory used, live processes, telemetry figures) from the emulator's state
+        file; {} when the file is missing or malformed."""
         assert self.state_file is not None
         try:
             data = json.loads(self.state_file.read_text(encoding="utf-8"))
@@ -172,11 +297,11 @@ class FakeGpus:
         if parsed is None:
             return {}
         followed = {}
-        for index, used, processes in parsed:
+        for index, used, processes, figures in parsed:
             alive = tuple(p for p in processes if _alive(p.pid))
             if processes and not alive:
                 used = 0  # every process that held this memory has exited: freed
-            followed[index] = (used, alive)
+            followed[index] = (used, alive, figures)
         return followed
 
 
@@ -185,7 +310,14 @@ def _is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _parse_state(data: Any) -> list[tuple[int, int, tuple[GpuProcess, ...]]] | None:
+def _is_figure(value: object) -> TypeGuard[int | float]:
+    """A non-negative JSON number (`true` is not one)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+
+
+def _parse_state(
+    data: Any,
+) -> list[tuple[int, int, tuple[GpuProcess, ...], dict[str, float]]] | None:
     if not isinstance(data, dict) or not isinstance(data.get("gpus"), list):
         return None
     parsed = []
@@ -203,7 +335,14 @@ def _parse_state(data: Any) -> list[tuple[int, int, tuple[GpuProcess, ...]]] | N
                     and isinstance(proc.get("name", ""), str)):
                 return None
             processes.append(GpuProcess(proc["pid"], proc["used_bytes"], proc.get("name", "")))
-        parsed.append((index, used, tuple(processes)))
+        figures = {}
+        for key in _FOLLOWED:
+            if key in entry:
+                value = entry[key]
+                if not _is_figure(value):
+                    return None
+                figures[key] = float(value)
+        parsed.append((index, used, tuple(processes), figures))
     return parsed
 
 
