@@ -14,7 +14,10 @@ reasoning and tool calls, see `answer.py`).
 When a request is admitted (its prefill) the pretend radix cache (`prefixcache.py`) gives it
 its `cached_tokens`. The counters behind `GET /emulator/stats` live here too: requests
 started, finished and aborted (a client that went away, queued or running), and the most
-requests ever running at once (`peak_running`, reset by `reset_peak`).
+requests ever running at once (`peak_running`, reset by `reset_peak`). So do the latency
+histograms `/metrics` reports (`histograms.py`): time to first token and inter-token gaps as
+tokens come out, end-to-end latency when a request finishes, all from arrival on the
+emulator's monotonic clock.
 """
 
 from __future__ import annotations
@@ -30,6 +33,13 @@ from dataclasses import dataclass, field
 
 from appliance.testing.fake_sglang.args import ServeArgs
 from appliance.testing.fake_sglang.faults import Faults
+from appliance.testing.fake_sglang.histograms import (
+    E2E_BUCKETS,
+    INTER_TOKEN_BUCKETS,
+    TTFT_BUCKETS,
+    Histogram,
+    bounds,
+)
 from appliance.testing.fake_sglang.logwriter import LogWriter
 from appliance.testing.fake_sglang.memory import Capacity
 from appliance.testing.fake_sglang.prefixcache import PrefixCache
@@ -109,6 +119,11 @@ class Core:
         self.finished_total = 0
         self.peak_running = 0
         self.prefix_cache = PrefixCache()
+        values = args.values
+        self.ttft = Histogram(bounds(values.get("bucket_time_to_first_token"), TTFT_BUCKETS))
+        self.inter_token = Histogram(
+            bounds(values.get("bucket_inter_token_latency"), INTER_TOKEN_BUCKETS))
+        self.e2e = Histogram(bounds(values.get("bucket_e2e_request_latency"), E2E_BUCKETS))
         self._recent: deque[list[int]] = deque()  # [whole second, tokens in it]
         self._ids = itertools.count()
 
@@ -233,18 +248,26 @@ class Core:
         finished = False
         try:
             await req.admitted.wait()
-            if self.faults.unhealthy:
-                await asyncio.Event().wait()  # a wedged scheduler never answers
+            if self.faults.unhealthy and self.status != "Starting":
+                # wedged after ready (the warmup still passes, as faults.py says): never answers
+                await asyncio.Event().wait()
+            last_token_at = req.arrived
             while req.generated < req.completion_tokens:
                 await asyncio.sleep(self.token_seconds)
                 req.generated += 1
+                now = time.monotonic()
                 if req.first_token_at is None:
-                    req.first_token_at = time.monotonic()
+                    req.first_token_at = now
+                    self.ttft.observe(now - req.arrived)
+                else:
+                    self.inter_token.observe(now - last_token_at)
+                last_token_at = now
                 self.generation_tokens_total += 1
                 self._count_token()
                 yield word(req.seed, req.generated - 1)
             finished = True
             self.finished_total += 1
+            self.e2e.observe(time.monotonic() - req.arrived)
         finally:
             if not finished:
                 self.num_aborted_requests_total += 1

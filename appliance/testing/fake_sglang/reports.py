@@ -6,7 +6,9 @@ Shapes follow SGLang 0.5.23: `build_server_info` plus `internal_states[]`
 (`scheduler_components/internal_state.py`, `memory_usage.py`), `LoadSnapshot.to_dict`
 (`managers/load_snapshot.py`, `entrypoints/v1_loads.py`), and the `sglang:*` metric names of
 `observability/metrics_collector.py` (labels model_name, engine_type, tp_rank, pp_rank,
-moe_ep_rank; scheduler gauges from TP0 only). The Prometheus histograms are not emulated.
+moe_ep_rank; scheduler gauges from TP0 only). Of the histograms, time to first token,
+inter-token latency and end-to-end latency are kept (`histograms.py`, measured from the
+emulator's own requests); the token-count and queue-time histograms are not emulated.
 """
 
 from __future__ import annotations
@@ -202,4 +204,10 @@ def metrics(args: ServeArgs, cap: Capacity, core: Core, timings: Timings) -> str
     for name, count, text in counters:
         out += [f"# HELP sglang:{name} {text}", f"# TYPE sglang:{name} counter",
                 f"sglang:{name}{{{labels}}} {float(count)}"]
+    out += core.ttft.exposition("sglang:time_to_first_token_seconds", labels,
+                                "Histogram of time to first token in seconds.")
+    out += core.inter_token.exposition("sglang:inter_token_latency_seconds", labels,
+                                       "Histogram of inter-token latency in seconds.")
+    out += core.e2e.exposition("sglang:e2e_request_latency_seconds", labels,
+                               "Histogram of End-to-end request latency in seconds")
     return "\n".join(out) + "\n"

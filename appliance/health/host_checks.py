@@ -1,0 +1,183 @@
+"""The host's readings (`read_host`, psutil) and checks (`host_checks`, pure).
+
+    host.models_disk    free space on the models volume: WARN / CRITICAL under the lines
+    host.state_disk     free space on the state volume (database, launch specs, backups)
+    host.memory         available RAM under memory_available_warn_percent → WARN
+    host.shm            free /dev/shm under shm_free_warn_gib, or no /dev/shm → WARN
+    host.load           1-minute load over twice the CPU count → WARN
+    host.daemon_memory  this daemon's RSS over daemon_rss_warn_mib → WARN
+
+`read_host` blocks (statvfs, /proc): call it through `asyncio.to_thread`. It never raises for
+a path: a directory that does not exist yet is measured on its nearest existing parent (the
+volume it will live on), and one that cannot be read at all is None, which its check reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import os
+from pathlib import Path
+
+import psutil
+
+from appliance.config import HealthConfig, PathsConfig
+from appliance.health.model import CheckResult, HostFigures, Level
+
+GROUP = "host"
+GIB = 1 << 30
+MIB = 1 << 20
+SHM_PATH = "/dev/shm"  # noqa: S108 - measured with statvfs, never written to
+SHM = Path(SHM_PATH)
+LOAD_PER_CPU_WARN = 2.0
+K3_WEIGHTS = "a Kimi K3 weight set needs about 1.56 TB"
+
+
+def _volume(path: Path) -> tuple[int | None, int | None]:
+    """(free, total) bytes of the volume holding `path` or, while it does not exist, its
+    nearest existing parent; (None, None) when even that cannot be read."""
+    probe = path
+    try:
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        usage = psutil.disk_usage(str(probe))
+    except OSError:
+        return None, None
+    return usage.free, usage.total
+
+
+def _shm_volume(shm: Path) -> tuple[int | None, int | None]:
+    """The shared-memory mount's own (free, total): a parent would be the wrong volume."""
+    try:
+        if not shm.is_dir():
+            return None, None
+        usage = psutil.disk_usage(str(shm))
+    except OSError:
+        return None, None
+    return usage.free, usage.total
+
+
+def read_host(paths: PathsConfig, now: dt.datetime, *, shm: Path = SHM) -> HostFigures:
+    """One reading of the host (blocking)."""
+    models_free, models_total = _volume(paths.models_dir)
+    state_free, state_total = _volume(paths.state_dir)
+    shm_free, shm_total = _shm_volume(shm)
+    memory = psutil.virtual_memory()
+    load1 = 0.0
+    with contextlib.suppress(OSError):
+        load1 = os.getloadavg()[0]
+    return HostFigures(
+        at=now, models_free_bytes=models_free, models_total_bytes=models_total,
+        state_free_bytes=state_free, state_total_bytes=state_total,
+        shm_free_bytes=shm_free, shm_total_bytes=shm_total,
+        memory_available_bytes=memory.available, memory_total_bytes=memory.total,
+        load1=load1, cpu_count=psutil.cpu_count() or 1,
+        daemon_rss_bytes=psutil.Process().memory_info().rss)
+
+
+def _gib(value: int) -> str:
+    return f"{value / GIB:,.1f} GiB"
+
+
+def _share(part: int, whole: int | None) -> str:
+    return f" ({part / whole:.0%} free)" if whole else ""
+
+
+def _result(check_id: str, title: str, level: Level, summary: str, hint: str) -> CheckResult:
+    return CheckResult(check_id, GROUP, title, level, summary, hint if level is not Level.OK
+                       else "")
+
+
+def _disk(check_id: str, title: str, name: str, free: int | None, total: int | None,
+          warn_gib: int, critical_gib: int, hint: str) -> CheckResult:
+    if free is None:
+        return _result(check_id, title, Level.WARN, f"the {name} volume could not be read",
+                       "check that the directory in the configuration exists and that the "
+                       "appliance user may read it")
+    summary = f"the {name} volume has {_gib(free)} free of {_gib(total or 0)}{_share(free, total)}"
+    if free < critical_gib * GIB:
+        return _result(check_id, title, Level.CRITICAL,
+                       f"{summary}, under the {critical_gib} GiB critical line", hint)
+    if free < warn_gib * GIB:
+        return _result(check_id, title, Level.WARN,
+                       f"{summary}, under the {warn_gib} GiB warning line", hint)
+    return _result(check_id, title, Level.OK, summary, hint)
+
+
+def _memory(figures: HostFigures, health: HealthConfig) -> CheckResult:
+    total = figures.memory_total_bytes
+    percent = 100 * figures.memory_available_bytes / total if total else 100.0
+    summary = (f"{_gib(figures.memory_available_bytes)} of {_gib(total)} RAM available "
+               f"({percent:.1f}%)")
+    if percent < health.memory_available_warn_percent:
+        return _result(
+            "host.memory", "Host memory", Level.WARN,
+            f"{summary}, under the {health.memory_available_warn_percent}% warning line",
+            "find what holds the memory (`ps aux --sort=-rss | head`); the kernel's OOM killer "
+            "would pick the largest process, which is the engine")
+    return _result("host.memory", "Host memory", Level.OK, summary, "")
+
+
+def _shm(figures: HostFigures, health: HealthConfig) -> CheckResult:
+    free, total = figures.shm_free_bytes, figures.shm_total_bytes
+    if free is None:
+        return _result("host.shm", "Shared memory", Level.WARN,
+                       "there is no readable /dev/shm on this host",
+                       "SGLang's processes and NCCL share memory through /dev/shm: mount it "
+                       "(tmpfs) before starting the engine")
+    summary = f"{SHM_PATH} has {_gib(free)} free of {_gib(total or 0)}"
+    if free < health.shm_free_warn_gib * GIB:
+        return _result(
+            "host.shm", "Shared memory", Level.WARN,
+            f"{summary}, under the {health.shm_free_warn_gib} GiB warning line",
+            "find what fills it (`ls -la --sort=size /dev/shm`): segments left by a killed "
+            "engine (torch_*, nccl-*) can be removed while no engine runs; /dev/shm lives in "
+            "RAM")
+    return _result("host.shm", "Shared memory", Level.OK, summary, "")
+
+
+def _load(figures: HostFigures) -> CheckResult:
+    line = LOAD_PER_CPU_WARN * figures.cpu_count
+    summary = f"load average {figures.load1:.1f} over 1 minute on {figures.cpu_count} CPUs"
+    if figures.load1 > line:
+        return _result(
+            "host.load", "Host load", Level.WARN, f"{summary}, over {line:g}",
+            "find what keeps the CPUs busy (`top`); a weight hash or download runs hot, but "
+            "the engine's tokenizer and schedulers need CPU time to keep the GPUs fed")
+    return _result("host.load", "Host load", Level.OK, summary, "")
+
+
+def _daemon(figures: HostFigures, health: HealthConfig) -> CheckResult:
+    rss_mib = figures.daemon_rss_bytes / MIB
+    summary = f"the appliance daemon uses {rss_mib:,.0f} MiB of memory"
+    if rss_mib > health.daemon_rss_warn_mib:
+        return _result(
+            "host.daemon_memory", "Daemon memory", Level.WARN,
+            f"{summary}, over the {health.daemon_rss_warn_mib} MiB warning line",
+            "restart the control plane (`systemctl restart appliance`): the engine keeps "
+            "serving through it; if it grows again, report it with `appliance doctor --json`")
+    return _result("host.daemon_memory", "Daemon memory", Level.OK, summary, "")
+
+
+def host_checks(figures: HostFigures, health: HealthConfig,
+                paths: PathsConfig | None = None) -> list[CheckResult]:
+    """Every host check, in a stable order. `paths` only makes the hints name directories."""
+    models_dir = str(paths.models_dir) if paths else "the models directory"
+    state_dir = str(paths.state_dir) if paths else "the state directory"
+    return [
+        _disk("host.models_disk", "Models disk", "models", figures.models_free_bytes,
+              figures.models_total_bytes, health.models_free_warn_gib,
+              health.models_free_critical_gib,
+              f"remove weight sets and abandoned partial downloads you no longer need under "
+              f"{models_dir} (the Weights page shows the one in use; `appliance weights "
+              f"status` too), or grow the volume; {K3_WEIGHTS}"),
+        _disk("host.state_disk", "State disk", "state", figures.state_free_bytes,
+              figures.state_total_bytes, health.state_free_warn_gib,
+              health.state_free_critical_gib,
+              f"prune old database backups in {state_dir}/backups (each migration keeps "
+              "one), or grow the volume: the database stops taking writes when it is full"),
+        _memory(figures, health),
+        _shm(figures, health),
+        _load(figures),
+        _daemon(figures, health),
+    ]
