@@ -29,6 +29,7 @@ from litestar.template import TemplateConfig
 
 from appliance import __version__
 from appliance.api.engine import engine_router
+from appliance.api.health import health_router
 from appliance.api.keys import keys_router
 from appliance.api.routes import api_router
 from appliance.api.tuning import tuning_router
@@ -37,6 +38,8 @@ from appliance.api.weights import weights_router
 from appliance.auth.middleware import CSRF_COOKIE, PUBLIC_PATHS, AdminAuthMiddleware
 from appliance.engine.schedule import restore_scheduled
 from appliance.errors import ApplianceError
+from appliance.health.jobs import schedule_health
+from appliance.health.metrics_route import metrics_handler
 from appliance.hostguard import HostGuard
 from appliance.housekeeping import schedule_housekeeping
 from appliance.resources import static_dir, templates_dir
@@ -50,7 +53,8 @@ MAX_BODY_BYTES = 1_000_000  # the console and admin API take small forms and JSO
 
 
 def _is_api(request: Request[Any, Any, Any]) -> bool:
-    return request.url.path.startswith("/api/")
+    # /metrics answers scrapers, not browsers: a 401 with WWW-Authenticate, not a login page
+    return request.url.path.startswith("/api/") or request.url.path == "/metrics"
 
 
 def _problem(status: int, title: str, detail: str, code: str, hint: str = "") -> Response[Any]:
@@ -138,10 +142,12 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
         header_name="X-CSRF-Token",
         exclude=["/api/"],  # the API checks session callers itself; bearer callers need none
     )
-    auth = DefineMiddleware(AdminAuthMiddleware, exclude=[f"^{p}" for p in PUBLIC_PATHS])
+    public = PUBLIC_PATHS + (("/metrics",) if config.health.metrics_public else ())
+    auth = DefineMiddleware(AdminAuthMiddleware, exclude=[f"^{p}" for p in public])
     app = Litestar(
         route_handlers=[
             healthz,
+            metrics_handler(),
             *ui_handlers(),
             api_router(),
             engine_router(),
@@ -149,6 +155,7 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
             tuning_router(),
             usage_router(),
             keys_router(),
+            health_router(),
             create_static_files_router(path="/static", directories=[static_dir()],
                                        include_in_schema=False),
         ],
@@ -189,6 +196,8 @@ async def _start(runtime: Runtime) -> None:
     await runtime.supervisor.start_service()
     await runtime.weights.start_service()
     await restore_scheduled(runtime)
+    # After the supervisor: the first engine poll must see the adopted engine's state.
+    schedule_health(runtime)
 
 
 async def _stop(runtime: Runtime) -> None:
@@ -198,4 +207,5 @@ async def _stop(runtime: Runtime) -> None:
     await runtime.publisher.stop()
     if runtime.scheduler.running:
         runtime.scheduler.shutdown(wait=False)
+    await runtime.health.close()  # the webhook sender and the engine probe's client
 

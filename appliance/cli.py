@@ -258,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     from appliance.gateway import keys_cli
 
     keys_cli.add_parser(sub, common)
+    from appliance.health import doctor_cli
+
+    doctor_cli.add_parser(sub, common)
     return parser
 
 
@@ -285,6 +288,12 @@ def cmd_keys(args: argparse.Namespace, config: Config) -> int:
     return keys_cli.run(args, config)
 
 
+def cmd_doctor(args: argparse.Namespace, config: Config) -> int:
+    from appliance.health import doctor_cli
+
+    return doctor_cli.run(args, config)
+
+
 def cmd_gateway(args: argparse.Namespace, config: Config) -> int:
     from appliance.gateway.serve import run_gateway
 
@@ -295,6 +304,7 @@ HANDLERS: dict[str, Handler] = {
     "serve": cmd_serve, "gateway": cmd_gateway, "migrate": cmd_migrate, "admin": cmd_admin,
     "token": cmd_token,
     "engine": cmd_engine, "weights": cmd_weights, "tune": cmd_tune, "keys": cmd_keys,
+    "doctor": cmd_doctor,
 }
 
 

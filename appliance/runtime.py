@@ -8,7 +8,9 @@ patching import paths. Building a runtime opens nothing expensive; `serve` start
 from __future__ import annotations
 
 import datetime as dt
+import socket
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,10 @@ from appliance.engine.supervisor import Supervisor
 from appliance.engine.systemd_runner import SystemdRunner
 from appliance.gpu.nvml import NvmlGpus
 from appliance.gpu.port import GpuPort
+from appliance.health.alerts import Alerts
+from appliance.health.engine_probe import EngineProbe, EngineWatcher
+from appliance.health.host_checks import read_host
+from appliance.health.monitor import HealthMonitor
 from appliance.resources import migrations_dir
 from appliance.secrets import server_secret
 from appliance.tuning.service import TuningService
@@ -48,6 +54,7 @@ class Runtime:
     weights: WeightsService
     tuning: TuningService
     publisher: StatusPublisher
+    health: HealthMonitor
     version: str = __version__
     started_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
     started_monotonic: float = 0.0
@@ -98,6 +105,9 @@ def build_runtime(
     engine_poll_seconds: float = 1.0,
     engine_backoff_seconds: float = 30.0,
     weights_transport: httpx.AsyncBaseTransport | None = None,
+    engine_transport: httpx.AsyncBaseTransport | None = None,
+    webhook_transport: httpx.AsyncBaseTransport | None = None,
+    webhook_base_delay: float = 2.0,
 ) -> Runtime:
     clock = clock or SystemClock()
     db = db or Database(config.database_url)
@@ -112,6 +122,10 @@ def build_runtime(
     tuning = TuningService(config, db, clock, gpus, supervisor, weights)
     publisher = StatusPublisher(db, clock)
     supervisor.on_change(publisher.listen)
+    health = build_health(config, db=db, clock=clock, gpus=gpus, supervisor=supervisor,
+                          engine_transport=engine_transport,
+                          webhook_transport=webhook_transport,
+                          webhook_base_delay=webhook_base_delay)
     return Runtime(
         config=config,
         clock=clock,
@@ -129,9 +143,34 @@ def build_runtime(
         weights=weights,
         tuning=tuning,
         publisher=publisher,
+        health=health,
         started_at=clock.now(),
         started_monotonic=clock.monotonic(),
     )
+
+
+def build_health(
+    config: Config,
+    *,
+    db: Database,
+    clock: Clock,
+    gpus: GpuPort,
+    supervisor: Supervisor,
+    engine_transport: httpx.AsyncBaseTransport | None,
+    webhook_transport: httpx.AsyncBaseTransport | None,
+    webhook_base_delay: float,
+) -> HealthMonitor:
+    """The health monitor and its adapters: the engine probe (its own HTTP client, apart
+    from the supervisor's), the host reader and the alert sender."""
+    health = config.health
+    probe = EngineProbe(f"http://127.0.0.1:{config.engine.port}", transport=engine_transport)
+    alerts = Alerts(db=db, clock=clock, url=health.webhook_url, retries=health.webhook_retries,
+                    box=socket.gethostname(), version=__version__, transport=webhook_transport,
+                    base_delay=webhook_base_delay)
+    return HealthMonitor(
+        config=config, db=db, clock=clock, gpus=gpus, supervisor=supervisor,
+        watcher=EngineWatcher(probe, health, config.engine.served_model_name, clock),
+        read_host=partial(read_host, config.paths), alerts=alerts, closing=[probe])
 
 
 async def start_when_waiting(supervisor: Supervisor) -> None:

@@ -55,6 +55,9 @@ class CheckResult:
     level: Level
     summary: str
     hint: str = ""
+    # False: the check did not run this time (an engine check while the engine is not
+    # serving). Shown, but it neither starts a failure nor ends one.
+    judged: bool = True
 
     @property
     def failing(self) -> bool:

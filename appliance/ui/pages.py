@@ -1,4 +1,5 @@
-"""Console pages: dashboard, audit, events, settings (with admin API tokens).
+"""Console pages: dashboard (with the health monitor's view), audit, events, settings (with
+admin API tokens).
 
 Each page has a full template under `pages/` and each htmx swap target its own partial under
 `partials/`; a request with `HX-Request` gets the partial only.
@@ -14,6 +15,7 @@ from litestar import Request, get, post
 from litestar.params import FromPath, FromQuery, QueryParameter, URLEncodedBody
 from litestar.response import Redirect, Template
 
+from appliance.api.health import load_board
 from appliance.auth.accounts import list_admins
 from appliance.auth.guards import PasswordChangeRequired, password_current
 from appliance.auth.middleware import client_address
@@ -22,6 +24,7 @@ from appliance.auth.tokens import list_tokens
 from appliance.config import describe
 from appliance.db.journal import SEVERITIES, list_audit, list_events
 from appliance.errors import ApplianceError
+from appliance.health.views import dashboard as health_dashboard
 from appliance.runtime import runtime_of
 from appliance.status import daemon_status
 from appliance.ui.login import (
@@ -56,11 +59,18 @@ def _htmx(request: Request[Any, Any, Any]) -> bool:
 
 @get("/", **GUARDED)
 async def dashboard(request: AdminRequest) -> Template:
+    """The page, or (from htmx, every 10 s) its status part: overall health, the engine's
+    figures, the GPU table with the last hour's sparklines, the daemon and its volumes."""
     runtime = runtime_of(request)
     status = await daemon_status(runtime)
+    board = await load_board(runtime, hour=True)
+    health = health_dashboard(board.snapshot, board.mutes, board.series, board.now)
+    if _htmx(request):
+        return Template("partials/dashboard_status.html",
+                        context={"status": status, "health": health})
     events = await runtime.db.run(lambda s: list_events(s, per_page=8))
-    name = "partials/dashboard_status.html" if _htmx(request) else "pages/dashboard.html"
-    return Template(name, context={"status": status, "events": events.items, "nav": "dashboard"})
+    return Template("pages/dashboard.html", context={
+        "status": status, "health": health, "events": events.items, "nav": "dashboard"})
 
 
 @get("/audit", **GUARDED)

@@ -12,6 +12,12 @@ from appliance.ui.engine import (
     engine_schedule_ui,
     engine_status_partial,
 )
+from appliance.ui.health import (
+    health_check_ui,
+    health_mute_ui,
+    health_ui,
+    health_unmute_ui,
+)
 from appliance.ui.keys import (
     keys_create_ui,
     keys_limits_form,
@@ -64,6 +70,7 @@ def ui_handlers() -> list[BaseRouteHandler]:
         tuning_profile_update_ui, tuning_profile_update_form, tuning_profile_delete_ui,
         tuning_profile_delete_form,
         usage_page,
+        health_ui, health_check_ui, health_mute_ui, health_unmute_ui,
         keys_page, keys_create_ui, keys_revoke_ui, keys_row_ui, keys_limits_form,
         keys_limits_ui,
     ]

@@ -1,0 +1,309 @@
+"""`appliance doctor`: every check once, in this process, without the daemon.
+
+The first thing to run on a new box, and what to attach to a support request. It runs:
+
+- the appliance's own checks (group "appliance", never part of a `HealthSnapshot`): the
+  configuration loaded (it did, or there would be no report), the daemon (running or not),
+  the database (opens, schema at head), the state, models and log directories (exist and
+  are writable by this user), the weights (a verified set recorded, and the quick tier of
+  `appliance.weights.quick` passing now);
+- the GPU checks over NVML (`NvmlGpus`, in a thread, with `health.nvml_timeout_seconds`);
+  processes are listed, not judged: which PIDs are the engine's only the daemon knows;
+- the engine checks, on the state the daemon published (`engine.publish`): the engine is
+  probed only when that state is serving, and `EngineWatcher` sends a generation only to an
+  idle engine — never to a busy or loading one;
+- the host checks (disks, memory, /dev/shm, load; not the daemon's own memory, which here
+  would be this process's).
+
+The report's overall level is the worst of all; `appliance doctor` exits 1 when it is
+CRITICAL, 0 otherwise. Ports are parameters (fake GPUs, an engine transport) so tests can
+run it without hardware.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import fcntl
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from appliance import __version__
+from appliance.clock import Clock, SystemClock
+from appliance.config import Config
+from appliance.db.database import Database
+from appliance.engine.states import EngineState
+from appliance.gpu.port import GpuPort, snapshot_with_timeout
+from appliance.health.model import CheckResult, Level
+
+GROUP = "appliance"
+GROUP_ORDER = (GROUP, "gpu", "engine", "host")
+GROUP_TITLES = {GROUP: "Appliance", "gpu": "GPUs", "engine": "Engine", "host": "Host"}
+LEFT_OUT = frozenset({"host.daemon_memory"})  # this process's memory says nothing here
+JSON_FORMAT = 1  # bumped if the JSON document's shape ever changes incompatibly
+
+
+def _result(check_id: str, title: str, level: Level, summary: str,
+            hint: str = "") -> CheckResult:
+    return CheckResult(check_id, GROUP, title, level, summary,
+                       hint if level is not Level.OK else "")
+
+
+@dataclass(frozen=True)
+class Report:
+    at: dt.datetime
+    results: tuple[CheckResult, ...]
+
+    @property
+    def overall(self) -> Level:
+        return max((r.level for r in self.results), default=Level.OK)
+
+    def counts(self) -> dict[str, int]:
+        return {level.label: sum(r.level is level for r in self.results) for level in Level}
+
+    def to_json(self) -> dict[str, Any]:
+        """The stable document `--json` prints: checks in report order, keys fixed."""
+        return {"format": JSON_FORMAT, "version": __version__, "at": self.at.isoformat(),
+                "overall": self.overall.label, "counts": self.counts(),
+                "checks": [{"id": r.id, "group": r.group, "title": r.title,
+                            "level": r.level.label, "summary": r.summary, "hint": r.hint}
+                           for r in self.results]}
+
+
+def render(report: Report) -> str:
+    """The readable report: a heading per group, a line per check, hints indented."""
+    lines = [f"appliance doctor {__version__}, "
+             f"{report.at.astimezone(dt.UTC):%Y-%m-%d %H:%M:%S} UTC"]
+    for group in GROUP_ORDER:
+        rows = [r for r in report.results if r.group == group]
+        if not rows:
+            continue
+        lines += ["", GROUP_TITLES[group]]
+        for r in rows:
+            lines.append(f"  {r.level.label.upper():<8}  {r.title}: {r.summary}")
+            if r.hint and r.level is not Level.OK:
+                lines.append(f"  {'':<8}  what to do: {r.hint}")
+    counts = report.counts()
+    warnings = f"{counts['warn']} warning{'s' if counts['warn'] != 1 else ''}"
+    lines += ["", f"Overall: {report.overall.label.upper()} ({counts['critical']} critical, "
+              f"{warnings}, {counts['ok']} ok)"]
+    return "\n".join(lines)
+
+
+# --- the appliance's own checks ---------------------------------------------------------------
+
+
+def daemon_check(state_dir: Path) -> CheckResult:
+    """Whether a daemon holds the instance lock (`appliance.lock`); never takes it for long:
+    a shared lock is tried and let go at once."""
+    path = state_dir / "appliance.lock"
+    try:
+        with path.open("r") as handle:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pid = handle.read().strip() or "unknown"
+                return _result("appliance.daemon", "Daemon", Level.OK,
+                               f"the daemon is running (pid {pid})")
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        return _result("appliance.daemon", "Daemon", Level.WARN,
+                       f"cannot tell whether the daemon runs ({path}: {exc.strerror or exc})",
+                       "run the doctor as the daemon's user, or check `systemctl status "
+                       "appliance`")
+    return _result("appliance.daemon", "Daemon", Level.WARN,
+                   "the daemon is not running: no console, no health monitor, no engine "
+                   "supervision", "start it (`systemctl start appliance`); its log is "
+                   "`journalctl -u appliance`")
+
+
+def directory_checks(config: Config) -> list[CheckResult]:
+    out = []
+    paths = config.paths
+    for name, path, missing in (
+            ("state", paths.state_dir, Level.CRITICAL),
+            ("models", paths.models_dir, Level.WARN),
+            ("log", paths.log_dir, Level.CRITICAL)):
+        check_id, title = f"appliance.{name}_dir", f"{name.capitalize()} directory"
+        if not path.is_dir():
+            out.append(_result(check_id, title, missing, f"{path} does not exist",
+                               "the first weights pull creates it; or create it, owned by "
+                               "the daemon's user" if name == "models" else
+                               "create it, owned by the daemon's user (the installer does)"))
+        elif not os.access(path, os.W_OK | os.X_OK):
+            out.append(_result(check_id, title, Level.CRITICAL,
+                               f"{path} is not writable by this user (uid {os.getuid()})",
+                               "run the doctor as the daemon's user (`sudo -u appliance "
+                               "appliance doctor`), or give that user the directory"))
+        else:
+            out.append(_result(check_id, title, Level.OK, f"{path} is writable"))
+    return out
+
+
+def database_check(db: Database) -> CheckResult:
+    """Opens the database and compares its schema with the migrations shipped."""
+    from appliance.db.schema import schema_state
+    from appliance.resources import migrations_dir
+
+    kind = "SQLite" if db.is_sqlite else "PostgreSQL"
+    try:
+        state = schema_state(db, migrations_dir())
+    except Exception as exc:
+        return _result("appliance.database", "Database", Level.CRITICAL,
+                       f"the {kind} database cannot be opened: {type(exc).__name__}: {exc}",
+                       "check database.url (`appliance` settings) and that the database "
+                       "server runs; for SQLite, that the state directory is readable")
+    if state.current is None:
+        return _result("appliance.database", "Database", Level.CRITICAL,
+                       f"the {kind} database is empty", "run `appliance migrate`")
+    if not state.at_head:
+        return _result("appliance.database", "Database", Level.CRITICAL,
+                       f"the {kind} database schema is {state.current}, this appliance "
+                       f"needs {state.head}", "run `appliance migrate` (with the daemon "
+                       "stopped)")
+    return _result("appliance.database", "Database", Level.OK,
+                   f"{kind}, schema {state.current} (current)")
+
+
+def weights_check(db: Database, config: Config) -> CheckResult:
+    """The active weight set: recorded, fully verified once, and the quick tier passing now
+    (sizes and safetensors headers: seconds, not the hour a full hash takes)."""
+    from appliance.engine.args import model_dir
+    from appliance.weights import records
+    from appliance.weights.quick import quick_verify
+    from appliance.weights.service import active_set
+
+    wanted = config.engine.model
+    record = db.call(active_set)
+    if record is None or record.repo_id != wanted:
+        return _result("appliance.weights", "Weights", Level.WARN,
+                       f"no weight set of {wanted} is recorded yet",
+                       "pull them (`appliance weights pull`) or import a copy (`appliance "
+                       "weights import DIR`); the engine cannot start without them")
+    name = f"{wanted}@{record.commit[:12]}"
+    if record.full_verified_at is None:
+        files = db.call(lambda s: records.set_files(s, record.id))
+        pending = sum(f.state != "verified" for f in files)
+        return _result("appliance.weights", "Weights", Level.WARN,
+                       f"{pending} of {len(files)} files of {name} are not verified yet",
+                       "let the pull finish, or run `appliance weights verify --full`")
+    manifest = db.call(lambda s: records.load_manifest(s, record.id))
+    report = quick_verify(model_dir(config.paths.models_dir, wanted), manifest)
+    if not report.ok:
+        shown = "; ".join(f"{p.path}: {p.message}" for p in report.problems[:3])
+        return _result("appliance.weights", "Weights", Level.CRITICAL,
+                       f"{name} fails the quick check: {shown}",
+                       "run `appliance weights pull` to fetch the damaged files again (or "
+                       "re-import them); the engine refuses to start on them")
+    return _result("appliance.weights", "Weights", Level.OK,
+                   f"{name} verified {record.full_verified_at:%Y-%m-%d %H:%M} UTC; the quick "
+                   "check passes now")
+
+
+def _engine(level: Level, summary: str, hint: str = "") -> CheckResult:
+    return CheckResult("engine.state", "engine", "Engine state", level, summary,
+                       hint if level is not Level.OK else "")
+
+
+def engine_state_check(published: Any, daemon_running: bool, known: bool = True,
+                       ) -> CheckResult:
+    """What the supervisor last published (`engine.publish.Published`, or None); `known`
+    is False when the database could not be read."""
+    if not known:
+        return _engine(Level.WARN, "not known: the database cannot be read",
+                       "fix the database first (see above)")
+    if published is None:
+        return _engine(Level.OK, "the engine has not run on this box yet")
+    state = published.state.replace("_", " ")
+    when = f"{published.updated_at.astimezone(dt.UTC):%Y-%m-%d %H:%M} UTC"
+    stale = "" if daemon_running else " (the daemon is not running: this is its last word)"
+    summary = f"{state}, published {when}{stale}: {published.message}".rstrip(": ")
+    if published.state == EngineState.FAILED.value:
+        return _engine(Level.CRITICAL, summary, "see why on the Engine page or `appliance "
+                       "engine status`; fix it, then start the engine again")
+    if published.state == EngineState.BACKOFF.value:
+        return _engine(Level.WARN, summary,
+                       "it crashed and the supervisor retries; see the Engine page")
+    return _engine(Level.OK, summary)
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+def _guarded(check_id: str, title: str, check: Any, *args: Any) -> CheckResult:
+    """`check(*args)`, or a CRITICAL result naming what went wrong (a broken file, a bug):
+    the doctor reports, it never stops half-way."""
+    try:
+        result: CheckResult = check(*args)
+    except Exception as exc:
+        return _result(check_id, title, Level.CRITICAL,
+                       f"could not be checked: {type(exc).__name__}: {exc}",
+                       "run `appliance doctor --json` and report it with the output")
+    return result
+
+
+async def engine_results(config: Config, db: Database | None, daemon_running: bool,
+                         clock: Clock,
+                         transport: httpx.AsyncBaseTransport | None) -> list[CheckResult]:
+    from appliance.engine.publish import read_published
+    from appliance.health.engine_checks import engine_checks
+    from appliance.health.engine_probe import EngineProbe, EngineWatcher
+
+    published = await asyncio.to_thread(db.call, read_published) if db else None
+    try:
+        state = EngineState(published.state) if published else EngineState.STOPPED
+    except ValueError:
+        state = EngineState.STOPPED
+    probe = EngineProbe(f"http://127.0.0.1:{config.engine.port}", transport=transport)
+    try:
+        watcher = EngineWatcher(probe, config.health, config.engine.served_model_name, clock)
+        figures = await watcher.poll(state, clock.now())
+    finally:
+        await probe.aclose()
+    return [engine_state_check(published, daemon_running, known=db is not None),
+            *engine_checks(figures, config.health)]
+
+
+async def run_doctor(config: Config, *, gpus: GpuPort | None = None, clock: Clock | None = None,
+                     engine_transport: httpx.AsyncBaseTransport | None = None) -> Report:
+    """Every check once (see the module docstring); never raises for what it finds."""
+    from appliance.gpu.nvml import NvmlGpus
+    from appliance.health.gpu_checks import gpu_checks
+    from appliance.health.host_checks import host_checks, read_host
+
+    clock = clock or SystemClock()
+    now = clock.now()
+    port = gpus or NvmlGpus()
+    gpu_snapshot = asyncio.create_task(asyncio.to_thread(
+        snapshot_with_timeout, port, float(config.health.nvml_timeout_seconds)))
+    daemon = daemon_check(config.paths.state_dir)
+    own = [_result("appliance.config", "Configuration", Level.OK,
+                   f"loaded from {config.source}"), daemon, *directory_checks(config)]
+    db = Database(config.database_url)
+    try:
+        database = await asyncio.to_thread(database_check, db)
+        own.append(database)
+        usable = db if database.level is Level.OK else None
+        if usable is None:
+            own.append(_result("appliance.weights", "Weights", Level.WARN,
+                               "not checked: the database cannot be read",
+                               "fix the database first (see above)"))
+        else:
+            own.append(await asyncio.to_thread(_guarded, "appliance.weights", "Weights",
+                                               weights_check, usable, config))
+        engine = await engine_results(config, usable, daemon.level is Level.OK, clock,
+                                      engine_transport)
+    finally:
+        db.dispose()
+    host = await asyncio.to_thread(read_host, config.paths, now)
+    gpu = gpu_checks(await gpu_snapshot, config.gpu, None, None)
+    results = [*own, *gpu, *engine,
+               *(r for r in host_checks(host, config.health, config.paths)
+                 if r.id not in LEFT_OUT)]
+    return Report(now, tuple(results))
