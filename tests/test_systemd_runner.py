@@ -577,3 +577,19 @@ def test_exec_spec_execs_the_argv_and_refuses_a_corrupt_spec(host: Host) -> None
         assert f"cannot use the launch spec {spec_file}" in done.stderr
         assert why in done.stderr
         assert not (host.root / "probe.json").exists()
+
+
+def test_read_bytes_uses_the_units_cgroup_when_the_processes_are_not_readable(
+        host: Host) -> None:
+    """The engine unit runs as its own user, so /proc/<pid>/io is closed to the daemon: the
+    load-progress bytes then come from the unit's IOReadBytes (IOAccounting=yes)."""
+    runner = host.runner()
+    ident = EngineIdentity(runner="systemd", pid=os.getpid(), started_at=0.0, spec_hash="",
+                           log_path=str(host.log_path))
+    assert runner.read_bytes(ident, {os.getpid()}) > 0  # readable: its own counters
+    assert host.calls() == []
+    (host.bin / "state.json").write_text(json.dumps({"IOReadBytes": "123456789"}))
+    assert runner.read_bytes(ident, set()) == 123456789  # none readable: the cgroup's figure
+    assert host.calls()[-1][:3] == ["show", "-p", "IOReadBytes"]
+    (host.bin / "state.json").write_text(json.dumps({"IOReadBytes": str((1 << 64) - 1)}))
+    assert runner.read_bytes(ident, set()) == 0  # accounting off: unknown, not 18 EB

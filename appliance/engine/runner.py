@@ -71,6 +71,10 @@ class EngineRunner(Protocol):
         """The engine is gone for good: drop the record used for adoption."""
         ...
 
+    def read_bytes(self, ident: EngineIdentity, pids: set[int]) -> int:
+        """Bytes the engine has read so far (a load-progress signal); 0 when unknown."""
+        ...
+
 
 def same_process(pid: int, started_at: float) -> psutil.Process | None:
     """The live process `pid` if it is the one that started at `started_at` (not a reused pid)."""
@@ -83,6 +87,18 @@ def same_process(pid: int, started_at: float) -> psutil.Process | None:
         return proc
     except psutil.Error:
         return None
+
+
+def process_read_bytes(pids: set[int]) -> int | None:
+    """Bytes read by these processes, page-cache hits included (`read_chars`: a pre-warmed
+    checkpoint is read from memory, and that is progress too). None when none of them could
+    be read: another user's /proc/<pid>/io needs ptrace rights this daemon does not have."""
+    total, readable = 0, False
+    for pid in pids:
+        with contextlib.suppress(psutil.Error, AttributeError):
+            total += psutil.Process(pid).io_counters().read_chars
+            readable = True
+    return total if readable else None
 
 
 def tree_pids(pid: int) -> list[int]:
@@ -182,3 +198,6 @@ class ProcessRunner:
 
     def forget(self) -> None:
         self.pidfile.unlink(missing_ok=True)
+
+    def read_bytes(self, ident: EngineIdentity, pids: set[int]) -> int:
+        return process_read_bytes(pids) or 0

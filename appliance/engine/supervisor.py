@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-import psutil
-
 from appliance.clock import Clock
 from appliance.config import Config
 from appliance.db.database import Database
@@ -145,14 +143,6 @@ def weights_bytes(model_dir: Path) -> int | None:
     except OSError:
         return None
     return total or None
-
-
-def _read_bytes(pids: set[int]) -> int:
-    total = 0
-    for pid in pids:
-        with contextlib.suppress(psutil.Error, AttributeError):
-            total += psutil.Process(pid).io_counters().read_chars
-    return total
 
 
 def _read_new(path: Path, offset: int, limit: int = 4 << 20) -> tuple[bytes, int]:
@@ -504,7 +494,7 @@ class Supervisor:
         current = self._status.state
         base = EngineState.LAUNCHING if current is EngineState.ADOPTED else current
         new_state = later_start_phase(base, target)
-        bytes_read = await asyncio.to_thread(_read_bytes, live.pids)
+        bytes_read = await asyncio.to_thread(self.runner.read_bytes, live.ident, live.pids)
         signals = Signals(new_state, parsed.lines, parsed.shards_done, parsed.shards_total,
                           bytes_read, gpu_used)
         now = self.clock.monotonic()

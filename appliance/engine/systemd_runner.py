@@ -27,7 +27,7 @@ import psutil
 
 from appliance.atomic import write_atomic
 from appliance.engine.args import LaunchSpec
-from appliance.engine.runner import EngineIdentity, same_process
+from appliance.engine.runner import EngineIdentity, process_read_bytes, same_process
 from appliance.errors import ApplianceError
 
 UNIT = "appliance-engine.service"
@@ -248,6 +248,22 @@ class SystemdRunner:
     def forget(self) -> None:
         """The spec file stays for the record; the invocation record goes."""
         self.record_path.unlink(missing_ok=True)
+
+    def read_bytes(self, ident: EngineIdentity, pids: set[int]) -> int:
+        """The processes' own counters when this daemon may read them; otherwise (the unit
+        runs as its own user, so /proc/<pid>/io is closed to us) the unit's cgroup
+        `IOReadBytes` (IOAccounting=yes), which counts reads from disk only, so a load from
+        a pre-warmed page cache shows there as little progress."""
+        counted = process_read_bytes(pids)
+        if counted is not None:
+            return counted
+        try:
+            out = self._run("show", "-p", "IOReadBytes", UNIT)
+        except ApplianceError:
+            return 0
+        value = out.strip().partition("=")[2]
+        # "[not set]" or 2^64-1 when accounting is off
+        return _int(value) if _int(value) < 1 << 63 else 0
 
 
 def _int(value: str | None) -> int:
