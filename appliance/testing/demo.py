@@ -36,6 +36,7 @@ from appliance.errors import ApplianceError
 from appliance.gateway.keys import create_key, list_keys
 from appliance.secrets import server_secret, write_private
 from appliance.testing.checkpoint import write_checkpoint
+from appliance.testing.demo_health import HOT_CELSIUS, HOT_GPU, hot_gpu_episode, webhook_sink
 from appliance.testing.fake_gpus import FakeGpus
 from appliance.weights import records as weights_records
 
@@ -46,6 +47,8 @@ DEMO_REPO_SHARDS = 12
 DEMO_SHARD_BYTES = 8 << 20
 # The fake Hub serves each connection at 1 MB/s, so the ~100 MB "download" takes about
 # 15 s with 8 at once, and one shard stalls once, so the watchdog and the resume show too.
+# One fake GPU runs hot for a while, so a warning and its recovery show (demo_health).
+HOT_AFTER, HOT_LASTS = 240, 180  # seconds
 DEMO_HUB_FAULTS = ("rate:1000000", "stall:model-00003-of-00012.safetensors:3MiB:3600")
 
 
@@ -145,14 +148,16 @@ def main() -> int:
         return 1
     repo_folder = DEV_ROOT.absolute() / "fake-hub" / DEMO_MODEL.replace("/", "--")
     ensure_demo_repo(repo_folder)
-    with fake_hub(DEMO_MODEL, repo_folder) as hub_url:
+    alerts = DEV_ROOT.absolute() / "demo-webhook.jsonl"
+    with fake_hub(DEMO_MODEL, repo_folder) as hub_url, webhook_sink(alerts) as webhook_url:
         os.environ[HUB_ENV] = hub_url
         os.environ.setdefault("APPLIANCE_WEIGHTS_STALL_SECONDS", "10")
         os.environ.setdefault("APPLIANCE_WEIGHTS_RESERVE_GIB", "1")
-        return run_demo(hub_url)
+        os.environ.setdefault("APPLIANCE_HEALTH_WEBHOOK_URL", webhook_url)
+        return run_demo(hub_url, alerts)
 
 
-def run_demo(hub_url: str) -> int:
+def run_demo(hub_url: str, alerts: Path) -> int:
     try:
         config = load_config(dev=True)
     except ApplianceError as exc:
@@ -199,6 +204,12 @@ def run_demo(hub_url: str) -> int:
         "            Three pretend users (demo_traffic) chat through it once the engine is",
         "            ready: see the Usage and API keys pages (\"summariser\" rewrites its",
         "            history, so its rewrite rate is high).",
+        "  Health:   the dashboard and the Health page show every GPU, engine and host check;",
+        f"            about {HOT_AFTER // 60} minutes in, fake GPU {HOT_GPU} runs at "
+        f"{HOT_CELSIUS:.0f} °C for {HOT_LASTS // 60} minutes (a demo",
+        "            episode): its warning and recovery are recorded once each, in Events and",
+        f"            POSTed to a demo webhook receiver that writes {alerts}.",
+        "            `.venv/bin/appliance --dev doctor` runs every check once from a shell.",
         "  Stop with Ctrl-C (the emulated engine keeps running, as a real one would; the next",
         "  `make demo` adopts it; stop it from the Engine page).",
         "",
@@ -210,8 +221,10 @@ def run_demo(hub_url: str) -> int:
     os.environ.setdefault("FAKE_SGLANG_GPU_STATE", str(gpu_state))
     os.environ.setdefault("FAKE_SGLANG_LOAD_SECONDS", "60")
     try:
-        with children(gateway_url, keyfile):
-            return serve(config, gpus=FakeGpus(state_file=gpu_state))
+        gpus = FakeGpus(state_file=gpu_state)
+        with children(gateway_url, keyfile), hot_gpu_episode(
+                gpus, after_seconds=HOT_AFTER, lasts_seconds=HOT_LASTS):
+            return serve(config, gpus=gpus)
     except ApplianceError as exc:
         print(f"demo: {exc.as_text()}", file=sys.stderr)
         return exc.exit_code

@@ -204,6 +204,13 @@ class FakeGpus:
         with self._lock:
             self._gpus[index].fields.update(fields)
 
+    def reset_fields(self, index: int, *names: str) -> None:
+        """GPU `index` reports these fields as it did before `set_fields` (idle, or following
+        the emulator)."""
+        with self._lock:
+            for name in names:
+                self._gpus[index].fields.pop(name, None)
+
     def add_ecc_errors(self, index: int, uncorrectable: int = 1, correctable: int = 0) -> None:
         """ECC errors happen on GPU `index`: the volatile (since driver load) and aggregate
         (lifetime) counters rise."""
