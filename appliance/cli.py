@@ -330,6 +330,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Alembic narrates every connection at INFO; `migrate` prints its own summary.
         logging.getLogger("alembic").setLevel(logging.WARNING)
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+        # APScheduler logs every run of every job at INFO: the health polls would fill the
+        # journal with a line every few seconds. Its warnings (missed runs) still show.
+        logging.getLogger("apscheduler").setLevel(logging.WARNING)
         return HANDLERS[args.command](args, config)
     except ApplianceError as exc:
         print(f"appliance: {exc.as_text()}", file=sys.stderr)
