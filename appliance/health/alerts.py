@@ -53,9 +53,11 @@ def message_of(change: Transition) -> str:
     r = change.result
     if change.kind == "recovery":
         return f"{r.title} recovered: {r.summary}"
+    words = {Level.WARN: "warning", Level.CRITICAL: "critical"}
     if change.kind == "change":
-        return f"{r.title} went from {change.previous.label} to {r.level.label}: {r.summary}"
-    return f"{r.title} is {r.level.label}: {r.summary}"
+        return (f"{r.title} went from {words.get(change.previous, 'ok')} to "
+                f"{words.get(r.level, 'ok')}: {r.summary}")
+    return f"{r.title} {words.get(r.level, 'failing')}: {r.summary}"
 
 
 def payload_of(change: Transition, *, box: str, version: str) -> dict[str, Any]:
