@@ -103,3 +103,25 @@ def test_health_verdicts_degrade_and_recover_a_serving_engine_only(
     assert sum("engine degraded: the canary failed" in m for m in messages) == 1
     assert sum("engine recovered" in m for m in messages) == 1
     assert len(db.call(lambda s: list_runs(s))) == 1
+
+
+def test_a_ready_engine_that_dies_takes_the_supervisors_crash_path(
+        box: tuple[Config, Database], emulator_env: Path,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dead is not DEGRADED: a scheduler killed after ready takes the whole engine down, and
+    the supervisor's own watcher records the crash with its reason (no health check is
+    involved, and none could keep a dead engine "degraded")."""
+    monkeypatch.setenv("FAKE_SGLANG_FAULT", "scheduler_death=1")
+    config, db = box
+    supervisor = supervisor_for(config, db, emulator_env, retries=0)
+
+    async def scenario() -> None:
+        async with serving(supervisor):
+            await supervisor.submit(Command.START, "tester")
+            await wait_for(lambda: supervisor.status.state is EngineState.FAILED,
+                           f"FAILED (at {supervisor.status})", timeout=60)
+
+    run(scenario)
+    runs = db.call(lambda s: list_runs(s))
+    assert len(runs) == 1 and runs[0].ready_seconds is not None  # it had served
+    assert any(m.startswith("engine exited") for m in events(db))
