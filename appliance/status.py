@@ -6,6 +6,7 @@ Gathered off the event loop (disk usage and database calls can block on a busy d
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import psutil
 
 from appliance.auth.bootstrap import bootstrap_file
 from appliance.db.schema import schema_state
+from appliance.health.host_checks import disk_space
 from appliance.runtime import Runtime
 
 
@@ -43,12 +45,15 @@ class DaemonStatus:
     rss_bytes: int
 
 
-def _volume(name: str, path: Path) -> VolumeUsage:
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    usage = psutil.disk_usage(str(probe))
-    return VolumeUsage(name, str(path), usage.total, usage.free)
+def _volumes(named: Iterable[tuple[str, Path]]) -> list[VolumeUsage]:
+    """Each volume's usage (a directory not there yet: the volume it will live on); one that
+    cannot be read is left out, and the health checks report it."""
+    found = []
+    for name, path in named:
+        space = disk_space(path)
+        if space is not None:
+            found.append(VolumeUsage(name, str(path), total_bytes=space[1], free_bytes=space[0]))
+    return found
 
 
 def _gather(runtime: Runtime) -> DaemonStatus:
@@ -63,8 +68,8 @@ def _gather(runtime: Runtime) -> DaemonStatus:
         schema_revision=state.current,
         schema_head=state.head,
         bootstrap_pending=bootstrap_file(paths.state_dir).exists(),
-        volumes=[_volume("state", paths.state_dir), _volume("models", paths.models_dir),
-                 _volume("logs", paths.log_dir)],
+        volumes=_volumes((("state", paths.state_dir), ("models", paths.models_dir),
+                          ("logs", paths.log_dir))),
         scheduler_jobs=[job.id for job in runtime.scheduler.get_jobs()],
         rss_bytes=psutil.Process().memory_info().rss,
     )

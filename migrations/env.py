@@ -6,6 +6,7 @@ before every upgrade) lives in `appliance migrate`.
 
 from alembic import context
 
+import appliance.health.rows  # noqa: F401 - puts the health tables on Base.metadata
 from appliance.db.models import Base
 
 connection = context.config.attributes.get("connection")

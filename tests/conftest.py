@@ -1,6 +1,7 @@
 """Shared fixtures: a dev config in a temp dir, a migrated real database (SQLite, and
-PostgreSQL when CI provides one), a runtime with a fake clock, a live server on loopback and
-a console client that logs in like a browser does (form, cookies, CSRF token).
+PostgreSQL when CI provides one), a runtime with a fake clock, a live server on loopback, a
+console client that logs in like a browser does (form, cookies, CSRF token), and the rigs'
+shared pieces (the chromium of browser tests, the engine emulator of gateway tests).
 """
 
 from __future__ import annotations
@@ -205,6 +206,16 @@ def run_cli(*args: str, env: dict[str, str] | None = None, input: str | None = N
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "appliance", *args], capture_output=True,
                           text=True, env=full_env, input=input, timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """One headless chromium per browser-test module (tests/browser_rig.py: importing it skips
+    a module where there is no browser; each test opens its own context)."""
+    from tests.browser_rig import launch_chromium
+
+    with launch_chromium() as launched:
+        yield launched
 
 
 @pytest.fixture(scope="module")

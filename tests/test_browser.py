@@ -5,18 +5,15 @@ rendered, htmx swaps and pushed URLs, hx-confirm dialogs. Each test gets its own
 (the `server` fixture) and a fresh browser context (no shared cookies); the browser process
 itself is shared by the module.
 
-Skipped when /usr/bin/chromium or Playwright is missing, unless TEST_APPLIANCE_REQUIRE_BROWSER
-is set (CI sets it), in which case that is a failure. With APPLIANCE_SHOTS set, screenshots of
+The rig (skip rules, chromium flags, the login and navigation helpers) is
+`tests/browser_rig.py`, shared by every browser test. With APPLIANCE_SHOTS set, screenshots of
 the dashboard and the settings page are written to /tmp/appliance-shots/.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -28,60 +25,21 @@ from appliance.auth.tokens import list_tokens
 from appliance.db.journal import AuditRecord, add_audit, list_audit
 from appliance.runtime import Runtime
 from appliance.testing.clock import FakeClock
+from tests.browser_rig import (
+    Browser,
+    BrowserContext,
+    Dialog,
+    Page,
+    expect,
+    log_in,
+    mark_document,
+    same_document,
+    shot,
+)
 from tests.conftest import PASSWORD, LiveServer, add_admin
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-SHOTS_DIR = Path("/tmp/appliance-shots")
 NEW_PASSWORD = "a new passphrase of my own"
 TOKEN_RE = re.compile(r"^apt_[0-9a-f]{8}_[A-Za-z0-9_-]{43}$")
-
-
-def _unavailable(reason: str) -> None:
-    """Skip this module, or fail it when the environment promises a browser."""
-    if os.environ.get("TEST_APPLIANCE_REQUIRE_BROWSER"):
-        pytest.fail(f"TEST_APPLIANCE_REQUIRE_BROWSER is set but {reason}", pytrace=False)
-    pytest.skip(f"browser tests skipped: {reason}", allow_module_level=True)
-
-
-if not CHROMIUM.exists():
-    _unavailable(f"{CHROMIUM} is missing (apt-get install chromium)")
-try:
-    from playwright.sync_api import (
-        Browser,
-        BrowserContext,
-        Dialog,
-        Page,
-        expect,
-        sync_playwright,
-    )
-except ImportError:  # pragma: no cover - depends on the environment
-    _unavailable("Playwright for Python is not installed (pip install -e '.[dev]')")
-
-pytestmark = pytest.mark.browser
-
-# Upper bound for auto-waiting assertions (argon2 and a loaded CI box can be slow); never a
-# sleep: expect() returns as soon as the condition holds.
-expect.set_options(timeout=15_000)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    """One headless chromium for the module (contexts keep the tests apart)."""
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
-        )
-        yield launched
-        launched.close()
 
 
 @pytest.fixture
@@ -110,52 +68,6 @@ def alice(runtime: Runtime, page: Page, server: LiveServer) -> Page:
     log_in(page, "alice", PASSWORD)
     expect(page).to_have_url(f"{server.base_url}/")
     return page
-
-
-def log_in(page: Page, username: str, password: str) -> None:
-    """Fill and submit the login form as a person would."""
-    page.goto("/login")
-    page.get_by_label("Username").fill(username)
-    page.get_by_label("Password", exact=True).fill(password)
-    page.get_by_role("button", name="Log in").click()
-
-
-@contextlib.contextmanager
-def admin_on(browser: Browser, server: LiveServer, runtime: Runtime, link: str,
-             path: str) -> Iterator[Page]:
-    """Alice, logged in, on `path` reached through the nav's `link`; any uncaught JavaScript
-    error fails the test."""
-    context = browser.new_context(base_url=server.base_url,
-                                  viewport={"width": 1280, "height": 900})
-    context.set_default_timeout(15_000)
-    tab = context.new_page()
-    errors: list[str] = []
-    tab.on("pageerror", lambda exc: errors.append(str(exc)))
-    add_admin(runtime, "alice", PASSWORD)
-    log_in(tab, "alice", PASSWORD)
-    expect(tab).to_have_url(f"{server.base_url}/")
-    tab.get_by_role("navigation", name="main").get_by_role("link", name=link).click()
-    expect(tab).to_have_url(f"{server.base_url}{path}")
-    expect(tab.get_by_role("heading", name=link, level=1)).to_be_visible()
-    yield tab
-    context.close()
-    assert not errors, f"JavaScript errors in the page: {errors}"
-
-
-def shot(page: Page, name: str) -> None:
-    """Save a full-page screenshot when APPLIANCE_SHOTS is set (for looking at the layout)."""
-    if os.environ.get("APPLIANCE_SHOTS"):
-        SHOTS_DIR.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SHOTS_DIR / f"{name}.png"), full_page=True)
-
-
-def mark_document(page: Page) -> None:
-    """Tag the current document; `same_document` tells later whether it was replaced."""
-    page.evaluate("window.__applianceMark = 'kept'")
-
-
-def same_document(page: Page) -> bool:
-    return bool(page.evaluate("window.__applianceMark === 'kept'"))
 
 
 def audit_entries(runtime: Runtime, *, action: str, outcome: str) -> list[AuditRecord]:

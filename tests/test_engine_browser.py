@@ -5,9 +5,9 @@ memory table with its KV capacity line, the flags with their origins, the run, a
 log filling through server-sent events; stop through the confirmation dialog, which states
 the cost of the next start.
 
-Same skip rules and chromium flags as `tests/test_browser.py` (imported from there). With
-APPLIANCE_SHOTS set, screenshots of /engine while loading and when ready are written to
-/tmp/appliance-shots/. The engine's process group is killed on teardown in every case.
+The browser rig is `tests/browser_rig.py`'s. With APPLIANCE_SHOTS set, screenshots of /engine
+while loading and when ready are written to /tmp/appliance-shots/. The engine's process group
+is killed on teardown in every case.
 """
 
 from __future__ import annotations
@@ -20,14 +20,9 @@ from pathlib import Path
 import pytest
 
 from appliance.db.journal import list_audit
-from tests.conftest import PASSWORD, LiveServer, add_admin
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, _unavailable, log_in, shot
+from tests.browser_rig import Browser, Dialog, Page, admin_on, expect, shot
+from tests.conftest import LiveServer
 from tests.test_engine_api import engine_server
-
-try:
-    from playwright.sync_api import Browser, BrowserContext, Dialog, Page, expect, sync_playwright
-except ImportError:  # pragma: no cover - test_browser's import has already skipped
-    _unavailable("Playwright for Python is not installed (pip install -e '.[dev]')")
 
 pytestmark = pytest.mark.browser
 
@@ -47,15 +42,6 @@ new MutationObserver(record).observe(document.getElementById('engine-status'),
 """
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
-        yield launched
-        launched.close()
-
-
 @pytest.fixture
 def engine_box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LiveServer]:
     with engine_server(tmp_path, monkeypatch, load_seconds=LOAD_SECONDS) as live:
@@ -64,28 +50,16 @@ def engine_box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Live
 
 @pytest.fixture
 def page(browser: Browser, engine_box: LiveServer) -> Iterator[Page]:
-    """A fresh profile on this test's server; any uncaught JavaScript error fails the test."""
-    context: BrowserContext = browser.new_context(
-        base_url=engine_box.base_url, viewport={"width": 1280, "height": 900})
-    context.set_default_timeout(15_000)
-    tab = context.new_page()
-    errors: list[str] = []
-    tab.on("pageerror", lambda exc: errors.append(str(exc)))
-    yield tab
-    context.close()  # closes the EventSource before the server goes down
-    assert not errors, f"JavaScript errors in the page: {errors}"
+    """Alice, logged in, on /engine (reached through the nav). Its context is closed before
+    the server goes down, and the EventSource with it."""
+    with admin_on(browser, engine_box, engine_box.runtime, "Engine", "/engine") as tab:
+        yield tab
 
 
 def test_start_watch_load_to_ready_then_stop_with_confirmation(
     engine_box: LiveServer, page: Page
 ) -> None:
     runtime = engine_box.runtime
-    add_admin(runtime, "alice", PASSWORD)
-    log_in(page, "alice", PASSWORD)
-    expect(page).to_have_url(f"{engine_box.base_url}/")
-    page.get_by_role("navigation", name="main").get_by_role("link", name="Engine").click()
-    expect(page).to_have_url(f"{engine_box.base_url}/engine")
-    expect(page.get_by_role("heading", name="Engine", level=1)).to_be_visible()
 
     status = page.locator("#engine-status")
     state = status.locator(".state")

@@ -578,6 +578,114 @@ def test_xids_unwatched_when_nvml_refuses_events() -> None:
     snap = gpus.snapshot()
     assert snap.error is None and snap.gpus[0].xid_events is None
 
+    class NoWait(StandInNvml):  # a binding that can make a set but not read it
+        missing = frozenset({"nvmlEventSetWait_v2"})
+
+    snap = NvmlGpus(nvml=NoWait()).snapshot()
+    assert snap.error is None and snap.gpus[0].xid_events is None
+
+
+class MendableEvents(StandInNvml):
+    """Event sets that are counted, freed and can fail: `lost` GPUs do not answer (GPU 1
+    at first) and `wait_failures` reads of the set fail with an error other than 'nothing
+    waiting'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost = {1}
+        self.sets: list[str] = []
+        self.freed: list[str] = []
+        self.wait_failures = 0
+        self.asked_support: list[int] = []
+
+    def _alive(self, handle: int) -> None:
+        if handle in self.lost:
+            raise self.error(self._real.NVML_ERROR_GPU_IS_LOST)
+
+    def nvmlEventSetCreate(self) -> str:
+        self.sets.append(f"set-{len(self.sets) + 1}")
+        return self.sets[-1]
+
+    def nvmlEventSetFree(self, event_set: str) -> None:
+        self.freed.append(event_set)
+
+    def nvmlDeviceGetSupportedEventTypes(self, handle: int) -> int:
+        self.asked_support.append(handle)
+        return super().nvmlDeviceGetSupportedEventTypes(handle)
+
+    def nvmlDeviceRegisterEvents(self, handle: int, types: int, event_set: str) -> None:
+        assert event_set == self.sets[-1] and event_set not in self.freed
+        super().nvmlDeviceRegisterEvents(handle, types, event_set)
+
+    def nvmlEventSetWait_v2(self, event_set: str, timeout_ms: int) -> SimpleNamespace:
+        if self.wait_failures:
+            self.wait_failures -= 1
+            raise self.error(self._real.NVML_ERROR_GPU_IS_LOST)
+        return super().nvmlEventSetWait_v2(event_set, timeout_ms)
+
+
+def test_a_failed_event_set_is_freed_and_built_again_at_the_next_read() -> None:
+    nvml = MendableEvents()
+    nvml.lost = set()
+    gpus = NvmlGpus(nvml=nvml, clock=FakeClock())
+    assert [g.xid_events for g in gpus.snapshot().gpus] == [(), ()]
+    nvml.events = [(0, 0x8, 79)]
+    nvml.wait_failures = 1  # e.g. a GPU fell off the bus under the set
+    snap = gpus.snapshot()
+    assert nvml.freed == ["set-1"]
+    # this read's events are lost with the set; not watched until it is built again
+    assert snap.gpus[0].xid_events is None and snap.gpus[1].xid_events is None
+    nvml.events = [(0, 0x8, 79), (1, 0x8, 13)]
+    snap = gpus.snapshot()
+    assert nvml.sets == ["set-1", "set-2"]
+    assert nvml.registered == [(0, 0x8), (1, 0x8)] * 2  # both GPUs, in the new set
+    assert [[e.xid for e in g.xid_events or ()] for g in snap.gpus] == [[79], [13]]
+    nvml.wait_failures = 1
+    snap = gpus.snapshot()  # kept Xids stay reported while the set is being mended
+    assert [[e.xid for e in g.xid_events or ()] for g in snap.gpus] == [[79], [13]]
+
+
+def test_a_set_that_keeps_failing_is_built_again_at_most_once_per_read() -> None:
+    nvml = MendableEvents()
+    nvml.wait_failures = 100
+    gpus = NvmlGpus(nvml=nvml, clock=FakeClock())
+    for _ in range(3):
+        assert gpus.snapshot().gpus[0].xid_events is None
+    assert nvml.sets == ["set-1", "set-2", "set-3"] and nvml.freed == nvml.sets
+    nvml.wait_failures = 0
+    assert gpus.snapshot().gpus[0].xid_events == ()
+    assert nvml.sets[-1] == "set-4" and "set-4" not in nvml.freed
+
+
+def test_a_gpu_not_registered_at_start_is_registered_later(
+        caplog: pytest.LogCaptureFixture) -> None:
+    nvml = MendableEvents()
+    gpus = NvmlGpus(nvml=nvml, clock=FakeClock())
+    for _ in range(3):
+        assert gpus.snapshot().gpus[0].xid_events == ()
+    assert nvml.registered == [(0, 0x8)]
+    assert sum("GPU 1" in r.getMessage() for r in caplog.records) == 1  # said once
+    nvml.lost = set()  # answers again (a reset, or a registration NVML refused once)
+    snap = gpus.snapshot()
+    assert nvml.registered == [(0, 0x8), (1, 0x8)] and nvml.sets == ["set-1"]
+    assert snap.gpus[1].xid_events == ()
+    nvml.events = [(1, 0x8, 48)]
+    assert [e.xid for e in gpus.snapshot().gpus[1].xid_events or ()] == [48]
+
+
+def test_a_gpu_without_xid_events_is_not_asked_again() -> None:
+    class NoXids(MendableEvents):
+        def nvmlDeviceGetSupportedEventTypes(self, handle: int) -> int:
+            self.asked_support.append(handle)
+            return 0x2  # double-bit ECC only
+
+    nvml = NoXids()
+    nvml.lost = set()
+    gpus = NvmlGpus(nvml=nvml, clock=FakeClock())
+    for _ in range(3):
+        assert gpus.snapshot().gpus[0].xid_events is None
+    assert nvml.asked_support == [0, 1] and nvml.registered == []
+
 
 def test_nvml_adapter_tolerates_process_listing_not_supported() -> None:
     class NoProcesses(StandInNvml):

@@ -31,7 +31,6 @@ from appliance.health.model import (
     GPU_TEMPERATURE,
     GPU_UTILIZATION,
     EngineFigures,
-    HostFigures,
     Sample,
 )
 from appliance.health.monitor import HealthMonitor
@@ -39,6 +38,7 @@ from appliance.runtime import Runtime, build_runtime
 from appliance.testing.clock import FakeClock
 from appliance.testing.fake_gpus import FakeGpus
 from tests.conftest import Console, LiveServer
+from tests.test_health_host import roomy_host
 from tests.test_keys_api import csrf, problem
 
 API = "/api/v1/health"
@@ -57,21 +57,13 @@ class FixedWatcher:
                              ttft_p90_seconds=1.2)
 
 
-def host_figures(now: dt.datetime) -> HostFigures:
-    return HostFigures(at=now, models_free_bytes=2000 * GIB, models_total_bytes=4000 * GIB,
-                       state_free_bytes=200 * GIB, state_total_bytes=400 * GIB,
-                       shm_free_bytes=64 * GIB, shm_total_bytes=64 * GIB,
-                       memory_available_bytes=2000 * GIB, memory_total_bytes=3000 * GIB,
-                       load1=1.0, cpu_count=64, daemon_rss_bytes=200 << 20)
-
-
 def rig(config: Config, db: Database, clock: FakeClock, gpus: FakeGpus) -> Runtime:
     """A runtime whose monitor reads `gpus`, the fixed engine and the fixed host."""
     runtime = build_runtime(config, clock=clock, db=db, gpus=gpus)
     alerts = Alerts(db=db, clock=clock, url="", retries=0, box="test", version="test")
     runtime.health = HealthMonitor(
         config=config, db=db, clock=clock, gpus=gpus, supervisor=runtime.supervisor,
-        watcher=FixedWatcher(), read_host=host_figures, alerts=alerts)
+        watcher=FixedWatcher(), read_host=roomy_host, alerts=alerts)
     return runtime
 
 

@@ -1,17 +1,17 @@
 """The dashboard's health part and the Health page in a real browser, over real loopback HTTP.
 
-The rig is `tests.test_health_api`'s (eight fake GPUs, GPU 3 at 95 °C, a serving engine, the
-real monitor) with an hour of samples. Alice logs in and lands on the dashboard: the overall
-status is CRITICAL naming the hot GPU, its row is marked, the sparklines are drawn. On the
-Health page (through the nav) she runs the checks, mutes the hot GPU's check for 24 hours with
-a reason — an htmx swap, no reload — and sees it muted and the box no longer CRITICAL; back
-on the dashboard it is no longer listed. Then she unmutes it.
+The server rig is `tests.test_health_api`'s (eight fake GPUs, GPU 3 at 95 °C, a serving
+engine, the real monitor) with an hour of samples. Alice logs in and lands on the dashboard:
+the overall status is CRITICAL naming the hot GPU, its row is marked, the sparklines are drawn.
+On the Health page (through the nav) she runs the checks, mutes the hot GPU's check for 24
+hours with a reason — an htmx swap, no reload — and sees it muted and the box no longer
+CRITICAL; back on the dashboard it is no longer listed. Then she unmutes it.
 
-Same skip rules and chromium flags as `tests/test_browser.py` (imported from there). With
-APPLIANCE_SHOTS set, screenshots go to /tmp/appliance-shots/health-*.png.
+The browser rig is `tests/browser_rig.py`'s. With APPLIANCE_SHOTS set, screenshots go to
+/tmp/appliance-shots/health-*.png.
 """
 
-# The rig's fixtures are imported from tests.test_health_api; the tests name them again.
+# The server rig's fixtures are imported from tests.test_health_api; the tests name them again.
 # ruff: noqa: F811
 
 from __future__ import annotations
@@ -21,21 +21,9 @@ from collections.abc import Iterator
 import pytest
 
 from appliance.runtime import Runtime
+from tests.browser_rig import Browser, Page, admin_on, expect, mark_document, same_document, shot
 from tests.conftest import LiveServer
-from tests.test_browser import (  # noqa: F401 - browser is a fixture
-    _unavailable,
-    admin_on,
-    browser,
-    mark_document,
-    same_document,
-    shot,
-)
 from tests.test_health_api import HOT, gpus, runtime, seed_hour, server  # noqa: F401 - fixtures
-
-try:
-    from playwright.sync_api import Browser, Page, expect
-except ImportError:  # pragma: no cover - test_browser's import has already skipped
-    _unavailable("Playwright for Python is not installed (pip install -e '.[dev]')")
 
 pytestmark = pytest.mark.browser
 HOT_ID = f"gpu.{HOT}.temperature"

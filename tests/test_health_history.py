@@ -19,6 +19,8 @@ from appliance.health.rows import HealthHourlyRow, HealthSampleRow
 from appliance.health.transitions import changes
 from appliance.resources import migrations_dir
 from appliance.testing.clock import FakeClock
+from appliance.testing.fake_gpus import FakeGpus
+from tests.test_health_host import roomy_host
 
 HEALTH_TABLES = {"health_samples", "health_hourly", "health_transitions", "health_mutes"}
 TEMP = model.GPU_TEMPERATURE
@@ -42,6 +44,19 @@ def test_samples_of_keeps_known_readings_only() -> None:
         Sample(model.ENGINE_RUNNING, "", 3.0), Sample(model.ENGINE_QUEUED, "", 0.0),
         Sample(model.ENGINE_TOKEN_USAGE, "", 0.5),
     }
+
+
+def test_a_full_snapshot_keeps_every_sample_name_and_only_those() -> None:
+    """`SAMPLE_NAMES` (what the API serves) and `samples_of` (what is kept) agree."""
+    at = dt.datetime(2026, 11, 30, 12, tzinfo=dt.UTC)
+    engine = EngineFigures(at=at, state="ready", running_requests=3, queued_requests=0,
+                           token_usage=0.5, cache_hit_rate=0.6,
+                           generation_tokens_per_second=900.0, ttft_p50_seconds=0.3)
+    snapshot = HealthSnapshot(at=at, gpus=FakeGpus().snapshot(), engine=engine,
+                              host=roomy_host(at))
+    names = [s.name for s in history.samples_of(snapshot)]
+    assert set(names) == set(model.SAMPLE_NAMES)
+    assert len(set(model.SAMPLE_NAMES)) == len(model.SAMPLE_NAMES)
 
 
 def _feed(db: Database, clock: FakeClock, hours: int, step_minutes: int = 10) -> None:

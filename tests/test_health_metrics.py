@@ -54,6 +54,7 @@ from appliance.testing.clock import FakeClock
 from appliance.testing.fake_gpus import FakeGpus
 from appliance.weights.views import Activity
 from tests.conftest import REPO, LiveServer, add_admin, make_config
+from tests.test_health_host import roomy_host
 
 NOW = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
 GIB = 1 << 30
@@ -77,11 +78,7 @@ def engine_figures(**changes: Any) -> EngineFigures:
 
 
 def host_figures() -> HostFigures:
-    return HostFigures(
-        at=NOW, models_free_bytes=2000 * GIB, models_total_bytes=4000 * GIB,
-        state_free_bytes=50 * GIB, state_total_bytes=100 * GIB, shm_free_bytes=None,
-        shm_total_bytes=None, memory_available_bytes=2000 * GIB, memory_total_bytes=3000 * GIB,
-        load1=10.5, cpu_count=224, daemon_rss_bytes=300 << 20)
+    return roomy_host(NOW, shm_free_bytes=None, shm_total_bytes=None, load1=10.5)
 
 
 CHECKS = (
@@ -134,6 +131,11 @@ def value(families: Families, name: str, **labels: str) -> float:
                                                     for k, v in labels.items())]
     assert len(found) == 1, (name, labels, families.get(name))
     return found[0]
+
+
+def values(families: Families, expected: dict[str, float]) -> dict[str, float]:
+    """The value of each series `expected` names (one sample each), to compare with it."""
+    return {name: value(families, name) for name in expected}
 
 
 # --- the exposition --------------------------------------------------------------------------
@@ -242,18 +244,17 @@ def test_engine_state_enum_has_exactly_one_current_value(state: EngineState) -> 
 def test_engine_figures_and_unknown_figures_left_out() -> None:
     families = scrape(inputs(load_percent=37.5, eta_seconds=3100.0,
                              engine_state=EngineState.LOADING_WEIGHTS))
-    assert value(families, "appliance_engine_load_progress_ratio") == 0.375
-    assert value(families, "appliance_engine_eta_seconds") == 3100
-    assert value(families, "appliance_engine_ready") == 1
-    assert value(families, "appliance_engine_running_requests") == 12
-    assert value(families, "appliance_engine_queued_requests") == 3
-    assert value(families, "appliance_engine_token_usage_ratio") == 0.42
-    assert value(families, "appliance_engine_cache_hit_ratio") == 0.61
-    assert value(families, "appliance_engine_generation_tokens_per_second") == 1850
+    expected = {
+        "appliance_engine_load_progress_ratio": 0.375, "appliance_engine_eta_seconds": 3100,
+        "appliance_engine_ready": 1, "appliance_engine_running_requests": 12,
+        "appliance_engine_queued_requests": 3, "appliance_engine_token_usage_ratio": 0.42,
+        "appliance_engine_cache_hit_ratio": 0.61,
+        "appliance_engine_generation_tokens_per_second": 1850,
+        "appliance_engine_canary_ok": 1, "appliance_engine_canary_ttft_seconds": 0.2,
+    }
+    assert values(families, expected) == expected
     assert value(families, "appliance_engine_ttft_seconds", quantile="0.5") == 0.35
     assert value(families, "appliance_engine_ttft_seconds", quantile="0.9") == 1.2
-    assert value(families, "appliance_engine_canary_ok") == 1
-    assert value(families, "appliance_engine_canary_ttft_seconds") == 0.2
 
     sparse = snapshot(engine=engine_figures(running_requests=None, ttft_p90_seconds=None,
                                             ready=None, canary=None))
@@ -307,16 +308,16 @@ def test_host_weights_and_usage_figures() -> None:
         verified_bytes=300, rate_bytes_per_second=25.0)))
     free = {s.labels["volume"]: s.value for s in families["appliance_host_volume_free_bytes"]}
     assert free == {"models": 2000 * GIB, "state": 50 * GIB}  # shm unknown: left out
-    assert value(families, "appliance_host_memory_available_bytes") == 2000 * GIB
-    assert value(families, "appliance_host_load1") == 10.5
-    assert value(families, "appliance_daemon_resident_memory_bytes") == 300 << 20
+    expected = {
+        "appliance_host_memory_available_bytes": 2000 * GIB, "appliance_host_load1": 10.5,
+        "appliance_daemon_resident_memory_bytes": 300 << 20, "appliance_weights_ready": 0,
+        "appliance_weights_verified_bytes": 300, "appliance_weights_present_bytes": 400,
+        "appliance_weights_size_bytes": 1000,
+    }
+    assert values(families, expected) == expected
     states = {s.labels["state"]: s.value for s in families["appliance_weights_state"]}
     assert set(states) == {a.value for a in Activity}
     assert [k for k, v in states.items() if v] == ["downloading"]
-    assert value(families, "appliance_weights_ready") == 0
-    assert value(families, "appliance_weights_verified_bytes") == 300
-    assert value(families, "appliance_weights_present_bytes") == 400
-    assert value(families, "appliance_weights_size_bytes") == 1000
     assert value(families, "appliance_usage_requests_last_hour", outcome="ok") == 5
     assert value(families, "appliance_usage_requests_last_hour", outcome="queue_timeout") == 1
     assert value(families, "appliance_usage_tokens_last_hour", kind="cached") == 400

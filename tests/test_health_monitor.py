@@ -31,18 +31,10 @@ from appliance.runtime import build_runtime
 from appliance.testing.clock import FakeClock
 from appliance.testing.fake_gpus import FakeGpus
 from tests.test_health_alerts import Receiver
+from tests.test_health_host import roomy_host
 
 GIB = 1 << 30
 TEMP_3 = "gpu.3.temperature"
-
-
-def roomy_host(now: dt.datetime) -> HostFigures:
-    """A host with room everywhere, so host checks are all OK."""
-    return HostFigures(at=now, models_free_bytes=8000 * GIB, models_total_bytes=16000 * GIB,
-                       state_free_bytes=500 * GIB, state_total_bytes=1000 * GIB,
-                       shm_free_bytes=500 * GIB, shm_total_bytes=1000 * GIB,
-                       memory_available_bytes=2000 * GIB, memory_total_bytes=3000 * GIB,
-                       load1=1.0, cpu_count=64, daemon_rss_bytes=200 << 20)
 
 
 class StandInSupervisor:

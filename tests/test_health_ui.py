@@ -1,5 +1,5 @@
 """The dashboard's health part and the Health page over real loopback HTTP, without a browser;
-and the pure view models behind them (`appliance.health.views`).
+and the pure view models behind them (`appliance.health.views`, `.dashboard_views`).
 
 The rig is `tests.test_health_api`'s: eight fake GPUs with GPU 3 at 95 °C, a serving engine
 with known figures, a roomy host, the real monitor. Covers the overall badge with the failing
@@ -20,9 +20,10 @@ import re
 from appliance.app import create_app
 from appliance.gpu.nvml import GPU_IS_LOST
 from appliance.gpu.port import GpuInfo, GpuSnapshot
+from appliance.health.dashboard_views import dashboard, gpu_rows
 from appliance.health.history import MuteView, TransitionView
 from appliance.health.model import CheckResult, EngineFigures, HealthSnapshot, Level
-from appliance.health.views import check_rows, dashboard, gpu_rows, health_page, overall
+from appliance.health.views import check_rows, health_page, overall
 from appliance.runtime import Runtime
 from appliance.testing.clock import FakeClock
 from appliance.testing.fake_gpus import FakeGpus

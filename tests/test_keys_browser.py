@@ -5,8 +5,8 @@ selected for copying, with the warning — and its row appear without a reload; 
 key is gone for good; edit the row's limits in place; revoke it through the browser's confirm
 dialog and see its badge turn; the audit log has all three, `via: console`.
 
-Same skip rules and chromium flags as `tests/test_browser.py` (imported from there). With
-APPLIANCE_SHOTS set, screenshots go to /tmp/appliance-shots/keys-*.png.
+The browser rig is `tests/browser_rig.py`'s. With APPLIANCE_SHOTS set, screenshots go to
+/tmp/appliance-shots/keys-*.png.
 """
 
 from __future__ import annotations
@@ -19,19 +19,14 @@ import pytest
 from appliance.db.journal import list_audit
 from appliance.gateway.keys import KEY_RE, KeyLimits, list_keys
 from appliance.runtime import Runtime
+from tests.browser_rig import Browser, Dialog, Page, admin_on, expect, shot
 from tests.conftest import LiveServer
-from tests.test_browser import _unavailable, admin_on, browser, shot  # noqa: F401 - browser is a fixture
-
-try:
-    from playwright.sync_api import Browser, Dialog, Page, expect
-except ImportError:  # pragma: no cover - test_browser's import has already skipped
-    _unavailable("Playwright for Python is not installed (pip install -e '.[dev]')")
 
 pytestmark = pytest.mark.browser
 
 
 @pytest.fixture
-def page(browser: Browser, server: LiveServer, runtime: Runtime) -> Iterator[Page]:  # noqa: F811 - the shared fixture
+def page(browser: Browser, server: LiveServer, runtime: Runtime) -> Iterator[Page]:
     """Alice, logged in, on /keys (reached through the nav)."""
     with admin_on(browser, server, runtime, "API keys", "/keys") as tab:
         yield tab

@@ -11,6 +11,8 @@ import datetime as dt
 import hashlib
 import shutil
 import sqlite3
+import subprocess
+import sys
 import tempfile
 import textwrap
 import threading
@@ -34,7 +36,7 @@ from appliance.db.models import AdminSession, AdminUser, ApiToken, Base
 from appliance.db.schema import check_schema, migrate, schema_state
 from appliance.errors import EX_CONFIG, MigrationFailed, SchemaMismatch
 from appliance.resources import migrations_dir
-from tests.conftest import PASSWORD, free_port, run_cli
+from tests.conftest import PASSWORD, REPO, free_port, run_cli
 
 HEAD = ScriptDirectory(str(migrations_dir())).get_current_head()  # this release's newest
 NEXT = "9999_test"
@@ -141,6 +143,36 @@ def test_upgrade_from_empty_matches_models(database: Database, tmp_path: Path) -
         context = MigrationContext.configure(
             conn, opts={"compare_type": True, "compare_server_default": True})
         assert compare_metadata(context, Base.metadata) == []
+
+
+def test_alembic_alone_knows_every_table(tmp_path: Path) -> None:
+    """env.py's metadata holds the tables of row modules outside `appliance.db.models` (the
+    health tables) even when nothing else imported them: an upgrade in a fresh interpreter
+    that imported only the models leaves nothing for autogenerate to add or drop."""
+    script = textwrap.dedent(f"""
+        import sqlalchemy
+        from alembic import command
+        from alembic.autogenerate import compare_metadata
+        from alembic.config import Config
+        from alembic.runtime.migration import MigrationContext
+
+        from appliance.db.models import Base
+
+        assert "health_samples" not in Base.metadata.tables
+        engine = sqlalchemy.create_engine("sqlite:///{tmp_path / 'alone.db'}")
+        cfg = Config()
+        cfg.set_main_option("script_location", {str(migrations_dir())!r})
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")
+        with engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+        assert "health_samples" in Base.metadata.tables, sorted(Base.metadata.tables)
+        assert diff == [], diff
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_model_comparison_notices_drift(database: Database, tmp_path: Path) -> None:

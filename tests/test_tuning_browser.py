@@ -8,8 +8,8 @@ recommended split in a maintenance window through the confirmation that states t
 cost; then find the apply and the scheduled restart on the Audit page. A second test edits a
 custom profile with an inline refusal, then deletes it through the browser's confirm dialog.
 
-Same skip rules and chromium flags as `tests/test_browser.py` (imported from there). With
-APPLIANCE_SHOTS set, screenshots go to /tmp/appliance-shots/tuning-*.png.
+The browser rig is `tests/browser_rig.py`'s. With APPLIANCE_SHOTS set, screenshots go to
+/tmp/appliance-shots/tuning-*.png.
 """
 
 from __future__ import annotations
@@ -25,15 +25,10 @@ from appliance.clock import SystemClock
 from appliance.config import Config
 from appliance.engine.schedule import list_scheduled
 from appliance.runtime import Runtime
+from tests.browser_rig import Browser, Dialog, Page, admin_on, expect, shot
 from tests.conftest import LiveServer
-from tests.test_browser import _unavailable, admin_on, browser, shot  # noqa: F401 - browser is a fixture
 from tests.test_tuning_api import write_k3
 from tests.test_weights_ui import audit_of
-
-try:
-    from playwright.sync_api import Browser, Dialog, Page, expect
-except ImportError:  # pragma: no cover - test_browser's import has already skipped
-    _unavailable("Playwright for Python is not installed (pip install -e '.[dev]')")
 
 pytestmark = pytest.mark.browser
 
@@ -55,7 +50,7 @@ def clock() -> SystemClock:
 
 
 @pytest.fixture
-def page(browser: Browser, config: Config, server: LiveServer, runtime: Runtime) -> Iterator[Page]:  # noqa: F811 - the shared fixture
+def page(browser: Browser, config: Config, server: LiveServer, runtime: Runtime) -> Iterator[Page]:
     """Alice, logged in, on /tuning (reached through the nav)."""
     write_k3(config)
     with admin_on(browser, server, runtime, "Tuning", "/tuning") as tab:

@@ -5,8 +5,8 @@ days ago. From the nav, the page shows the last 24 hours (alpha, no beta); picki
 days" swaps the report through htmx without a reload, beta appears, the chart follows and the
 URL is pushed. Back in the browser's history restores the 24-hour view.
 
-Same skip rules and chromium flags as `tests/test_browser.py` (imported from there). With
-APPLIANCE_SHOTS set, screenshots go to /tmp/appliance-shots/usage-*.png.
+The browser rig is `tests/browser_rig.py`'s. With APPLIANCE_SHOTS set, screenshots go to
+/tmp/appliance-shots/usage-*.png.
 """
 
 from __future__ import annotations
@@ -16,27 +16,15 @@ from collections.abc import Iterator
 import pytest
 
 from appliance.runtime import Runtime
+from tests.browser_rig import Browser, Page, admin_on, expect, mark_document, same_document, shot
 from tests.conftest import LiveServer
-from tests.test_browser import (  # noqa: F401 - browser is a fixture
-    _unavailable,
-    admin_on,
-    browser,
-    mark_document,
-    same_document,
-    shot,
-)
 from tests.test_usage_api import seed
-
-try:
-    from playwright.sync_api import Browser, Page, expect
-except ImportError:  # pragma: no cover - test_browser's import has already skipped
-    _unavailable("Playwright for Python is not installed (pip install -e '.[dev]')")
 
 pytestmark = pytest.mark.browser
 
 
 @pytest.fixture
-def page(browser: Browser, server: LiveServer, runtime: Runtime) -> Iterator[Page]:  # noqa: F811 - the shared fixture
+def page(browser: Browser, server: LiveServer, runtime: Runtime) -> Iterator[Page]:
     """Alice, logged in, on /usage (reached through the nav), with a history recorded."""
     seed(runtime)
     with admin_on(browser, server, runtime, "Usage", "/usage") as tab:

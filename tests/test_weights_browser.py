@@ -8,9 +8,8 @@ with re-hash, started and finished from the page. A second test types a bad endp
 refusal shows inline and nothing changes: no job, no request to the Hub), then pulls for real
 and cancels through the confirmation dialog.
 
-Same skip rules and chromium flags as `tests/test_browser.py` (imported from there). With
-APPLIANCE_SHOTS set, screenshots go to /tmp/appliance-shots/weights-*.png. Every wait is
-bounded (at most 60 s).
+The browser rig is `tests/browser_rig.py`'s. With APPLIANCE_SHOTS set, screenshots go to
+/tmp/appliance-shots/weights-*.png. Every wait is bounded (at most 60 s).
 """
 
 from __future__ import annotations
@@ -28,13 +27,8 @@ from appliance.db.journal import list_audit
 from appliance.runtime import Runtime
 from appliance.testing.checkpoint import write_checkpoint
 from appliance.testing.fake_hub import FakeHub
+from tests.browser_rig import Browser, Dialog, Page, admin_on, expect, shot
 from tests.conftest import LiveServer, make_config
-from tests.test_browser import _unavailable, admin_on, browser, shot  # noqa: F401 - browser is a fixture
-
-try:
-    from playwright.sync_api import Browser, Dialog, Page, expect
-except ImportError:  # pragma: no cover - test_browser's import has already skipped
-    _unavailable("Playwright for Python is not installed (pip install -e '.[dev]')")
 
 pytestmark = pytest.mark.browser
 
@@ -92,7 +86,7 @@ def config(tmp_path: Path, hub: FakeHub) -> Config:
 
 
 @pytest.fixture
-def page(browser: Browser, server: LiveServer, runtime: Runtime) -> Iterator[Page]:  # noqa: F811 - the shared fixture
+def page(browser: Browser, server: LiveServer, runtime: Runtime) -> Iterator[Page]:
     """Alice, logged in, on /weights (reached through the nav)."""
     with admin_on(browser, server, runtime, "Weights", "/weights") as tab:
         yield tab

@@ -14,7 +14,8 @@
 
 Bodies with unknown fields are refused (400); an unknown check id is a 404 naming where the
 ids are listed; a bad number or time is a 400; a refusal changes nothing. The console's
-dashboard and Health page read through `load_board` here, so both doors agree.
+dashboard and Health page read through `load_board` here, and mute through `mute_check` and
+`unmute_check`, so both doors agree.
 """
 
 from __future__ import annotations
@@ -34,18 +35,15 @@ from appliance.auth.middleware import AuthInfo, client_address
 from appliance.errors import ApplianceError
 from appliance.gpu.port import GpuSnapshot
 from appliance.health import model
+from appliance.health.dashboard_views import wanted_series
 from appliance.health.history import MuteView, TransitionView, mutes, series, transitions
 from appliance.health.model import EngineFigures, HealthSnapshot, HostFigures
 from appliance.health.sparkline import Point
-from appliance.health.views import active_mutes, wanted_series
+from appliance.health.views import active_mutes
 from appliance.runtime import Runtime, runtime_of
 
 AdminRequest = Request[Admin, AuthInfo, Any]
 API = "/api/v1/health"
-SAMPLE_NAMES = (model.GPU_TEMPERATURE, model.GPU_POWER, model.GPU_UTILIZATION,
-                model.GPU_MEMORY_USED, model.ENGINE_TOKEN_USAGE, model.ENGINE_THROUGHPUT,
-                model.ENGINE_RUNNING, model.ENGINE_QUEUED, model.ENGINE_CACHE_HIT,
-                model.ENGINE_TTFT_P50, model.HOST_MODELS_FREE, model.HOST_MEMORY_AVAILABLE)
 MAX_MUTE_MINUTES = 366 * 24 * 60  # past a year, "until unmuted" is what is meant
 MAX_REASON = 500
 
@@ -207,6 +205,25 @@ def mute_until(minutes: int | None, now: dt.datetime) -> dt.datetime | None:
     return now + dt.timedelta(minutes=minutes)
 
 
+async def mute_check(runtime: Runtime, check: str, minutes: int | None, reason: str, *,
+                     by: str, address: str) -> None:
+    """Mute `check` for `minutes` (None: until unmuted), both doors' way: a bad duration or
+    reason is a 400, an unknown check a 404, and a refusal changes nothing."""
+    until = mute_until(minutes, runtime.clock.now())
+    reason = check_reason(reason)
+    known_check(runtime, check)
+    await runtime.health.mute(check, until=until, by=by, reason=reason, address=address)
+
+
+async def unmute_check(runtime: Runtime, check: str, *, by: str, address: str) -> None:
+    """Unmute `check` (idempotent); a 404 only when it is neither muted nor a known check
+    (a muted check may have left the snapshot)."""
+    board = await load_board(runtime)
+    if check not in board.mutes:
+        known_check(runtime, check)
+    await runtime.health.unmute(check, by=by, address=address)
+
+
 def check_reason(reason: str) -> str:
     reason = reason.strip()
     if len(reason) > MAX_REASON:
@@ -269,9 +286,9 @@ async def health_series(request: AdminRequest, name: FromQuery[str], subject: Fr
                         since: SinceQuery = None) -> SeriesOut:
     runtime = runtime_of(request)
     now = runtime.clock.now()
-    if name not in SAMPLE_NAMES:
+    if name not in model.SAMPLE_NAMES:
         raise ApplianceError("health_series_unknown", f"name: {name!r} is not a series",
-                             "use one of " + ", ".join(SAMPLE_NAMES), status=400)
+                             "use one of " + ", ".join(model.SAMPLE_NAMES), status=400)
     per_gpu = name.startswith("gpu.")
     if per_gpu and not subject.isdigit():
         raise ApplianceError("health_series_subject", f"subject: {subject!r} is not a GPU "
@@ -288,22 +305,16 @@ async def health_series(request: AdminRequest, name: FromQuery[str], subject: Fr
       "(minutes: null)")
 async def health_mute(request: AdminRequest, data: JSONBody[MuteBody]) -> CheckOut:
     runtime = runtime_of(request)
-    until = mute_until(data.minutes, runtime.clock.now())
-    reason = check_reason(data.reason)
-    check = known_check(runtime, data.check)
-    await runtime.health.mute(check, until=until, by=request.user.username, reason=reason,
-                                 address=client_address(request))
-    return await _check_out(runtime, check)
+    await mute_check(runtime, data.check, data.minutes, data.reason,
+                     by=request.user.username, address=client_address(request))
+    return await _check_out(runtime, data.check)
 
 
 @delete("/mutes/{check:str}", status_code=200, summary="Unmute a check (idempotent)")
 async def health_unmute(request: AdminRequest, check: FromPath[str]) -> CheckOut:
     runtime = runtime_of(request)
-    board = await load_board(runtime)
-    if check not in board.mutes:
-        known_check(runtime, check)
-    await runtime.health.unmute(check, by=request.user.username,
-                                     address=client_address(request))
+    await unmute_check(runtime, check, by=request.user.username,
+                       address=client_address(request))
     return await _check_out(runtime, check)
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from html import escape
 
 from appliance.gateway.report import Granularity, SeriesPoint
+from appliance.svg import num, text_element
 from appliance.tuning.chart import nice_ceiling
 
 CACHED_COLOUR = "#8fb8e6"
@@ -32,7 +33,6 @@ OK_COLOUR = "#5b6672"
 ERROR_COLOUR = "#b42318"
 GRID_COLOUR = "#e4e7eb"
 AXIS_COLOUR = "#8a949e"
-TEXT_COLOUR = "#3b4550"
 MAX_LABELS = 12
 HOUR_STEPS = (1, 2, 3, 4, 6, 12, 24)
 DAY_STEPS = (1, 2, 3, 5, 7, 14, 30, 61)
@@ -85,11 +85,6 @@ class Frame:
         return max(self.slot * 0.7, 1.0)
 
 
-def _num(value: float) -> str:
-    text = f"{value:.1f}"
-    return text[:-2] if text.endswith(".0") else text
-
-
 def compact(value: float) -> str:
     """1234 -> 1.23K, 2500000 -> 2.5M: token and request counts on an axis."""
     for scale, unit in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
@@ -98,16 +93,9 @@ def compact(value: float) -> str:
     return f"{value:g}"
 
 
-def _text(x: float, y: float, content: str, *, anchor: str = "start", size: int = 12,
-          colour: str = TEXT_COLOUR, weight: str = "", extra: str = "") -> str:
-    bold = f' font-weight="{weight}"' if weight else ""
-    return (f'<text x="{_num(x)}" y="{_num(y)}" text-anchor="{anchor}" font-size="{size}" '
-            f'fill="{colour}"{bold}{extra}>{escape(content)}</text>')
-
-
 def _rect(cls: str, x: float, y: float, width: float, height: float, colour: str) -> str:
-    return (f'<rect class="{cls}" x="{_num(x)}" y="{_num(y)}" width="{_num(width)}" '
-            f'height="{_num(height)}" fill="{colour}"/>')
+    return (f'<rect class="{cls}" x="{num(x)}" y="{num(y)}" width="{num(width)}" '
+            f'height="{num(height)}" fill="{colour}"/>')
 
 
 def bucket_text(bucket: dt.datetime, granularity: Granularity) -> str:
@@ -141,7 +129,7 @@ def render_usage_chart(points: Sequence[SeriesPoint], *, granularity: Granularit
         f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
         f'width="100%" role="img" aria-labelledby="{pid}-title {pid}-desc" '
         f'class="usage-chart" font-family="system-ui, -apple-system, Segoe UI, sans-serif" '
-        f'data-tokens-max="{_num(token_top)}" data-requests-max="{_num(request_top)}" '
+        f'data-tokens-max="{num(token_top)}" data-requests-max="{num(request_top)}" '
         f'data-buckets="{len(ordered)}">',
         f'<title id="{pid}-title">{escape(title)}</title>',
         f'<desc id="{pid}-desc">{escape(describe(ordered, granularity))}</desc>',
@@ -153,9 +141,9 @@ def render_usage_chart(points: Sequence[SeriesPoint], *, granularity: Granularit
     out += _time_axis(frame, ordered, granularity, tokens, requests)
     if not any(p.requests or p.tokens for p in ordered):
         middle = (tokens.top + requests.baseline) / 2
-        out.append(_text(frame.left + frame.plot_width / 2, middle,
-                         "No requests in this range", anchor="middle", size=13,
-                         extra=' class="empty"'))
+        out.append(text_element(frame.left + frame.plot_width / 2, middle,
+                                "No requests in this range", anchor="middle", size=13,
+                                extra=' class="empty"'))
         out.append("</svg>")
         return "\n".join(out)
     out.append('<g class="bars">')
@@ -200,18 +188,18 @@ def _column(panel: Panel, low: float, high: float, width: float) -> tuple[float,
 def _panel_axes(frame: Frame, panel: Panel, step: float, name: str) -> list[str]:
     right = frame.width - frame.right
     out = [f'<g class="axes {name.lower()}-axes">',
-           _text(frame.left, panel.top - 10, name, size=12, weight="600")]
+           text_element(frame.left, panel.top - 10, name, size=12, weight="600")]
     value = 0.0
     while value <= panel.y_max + 1e-9:
         y = panel.y(value)
-        out.append(f'<line x1="{frame.left}" x2="{_num(right)}" y1="{_num(y)}" '
-                   f'y2="{_num(y)}" stroke="{GRID_COLOUR}" stroke-width="1"/>')
-        out.append(_text(frame.left - 8, y + 4, compact(value), anchor="end", size=11))
+        out.append(f'<line x1="{frame.left}" x2="{num(right)}" y1="{num(y)}" '
+                   f'y2="{num(y)}" stroke="{GRID_COLOUR}" stroke-width="1"/>')
+        out.append(text_element(frame.left - 8, y + 4, compact(value), anchor="end", size=11))
         value += step
-    out.append(f'<line x1="{frame.left}" x2="{_num(right)}" y1="{_num(panel.baseline)}" '
-               f'y2="{_num(panel.baseline)}" stroke="{AXIS_COLOUR}" stroke-width="1"/>')
-    out.append(f'<line x1="{frame.left}" x2="{frame.left}" y1="{_num(panel.top)}" '
-               f'y2="{_num(panel.baseline)}" stroke="{AXIS_COLOUR}" stroke-width="1"/>')
+    out.append(f'<line x1="{frame.left}" x2="{num(right)}" y1="{num(panel.baseline)}" '
+               f'y2="{num(panel.baseline)}" stroke="{AXIS_COLOUR}" stroke-width="1"/>')
+    out.append(f'<line x1="{frame.left}" x2="{frame.left}" y1="{num(panel.top)}" '
+               f'y2="{num(panel.baseline)}" stroke="{AXIS_COLOUR}" stroke-width="1"/>')
     out.append("</g>")
     return out
 
@@ -227,19 +215,19 @@ def _time_axis(frame: Frame, ordered: Sequence[SeriesPoint], granularity: Granul
             continue
         x = frame.centre(index)
         for panel in (tokens, requests):
-            out.append(f'<line x1="{_num(x)}" x2="{_num(x)}" y1="{_num(panel.baseline)}" '
-                       f'y2="{_num(panel.baseline + 4)}" stroke="{AXIS_COLOUR}" '
+            out.append(f'<line x1="{num(x)}" x2="{num(x)}" y1="{num(panel.baseline)}" '
+                       f'y2="{num(panel.baseline + 4)}" stroke="{AXIS_COLOUR}" '
                        'stroke-width="1"/>')
         y = requests.baseline + 17
         if granularity == "hour":
-            out.append(_text(x, y, at.strftime("%H:00"), anchor="middle", size=11))
+            out.append(text_element(x, y, at.strftime("%H:00"), anchor="middle", size=11))
             if at.hour == 0 or index < step:
-                out.append(_text(x, y + 13, at.strftime("%m-%d"), anchor="middle", size=11))
+                out.append(text_element(x, y + 13, at.strftime("%m-%d"), anchor="middle", size=11))
         else:
-            out.append(_text(x, y, at.strftime("%m-%d"), anchor="middle", size=11))
+            out.append(text_element(x, y, at.strftime("%m-%d"), anchor="middle", size=11))
     unit = "hour" if granularity == "hour" else "day"
-    out.append(_text(frame.left + frame.plot_width / 2, frame.height - 8,
-                     f"time (UTC), one bar per {unit}", anchor="middle", size=12))
+    out.append(text_element(frame.left + frame.plot_width / 2, frame.height - 8,
+                            f"time (UTC), one bar per {unit}", anchor="middle", size=12))
     out.append("</g>")
     return out
 
@@ -251,9 +239,9 @@ def _legend(frame: Frame) -> list[str]:
                           ("Other prompt tokens", PROMPT_COLOUR),
                           ("Completion tokens", COMPLETION_COLOUR),
                           ("Requests", OK_COLOUR), ("Errors", ERROR_COLOUR)):
-        out.append(f'<rect x="{_num(x)}" y="{_num(y - 9)}" width="12" height="12" '
+        out.append(f'<rect x="{num(x)}" y="{num(y - 9)}" width="12" height="12" '
                    f'fill="{colour}"/>')
-        out.append(_text(x + 17, y + 2, label, size=12))
+        out.append(text_element(x + 17, y + 2, label, size=12))
         x += 17 + len(label) * 6.4 + 16
         if x > frame.width - 150:
             x, y = float(frame.left), y + 20

@@ -147,12 +147,12 @@ class NvmlGpus:
         with self._init_lock:
             if not self._initialized:
                 nv.nvmlInit()  # raises on a missing library or driver; retried next snapshot
-                self._xids.start(nv, nv.nvmlDeviceGetCount())  # Xids from now on
+                self._xids.start()  # a new NVML session: register the GPUs afresh
                 self._initialized = True
         driver = text(nv.nvmlSystemGetDriverVersion())
         cuda = _cuda_version(nv.nvmlSystemGetCudaDriverVersion())
         count = nv.nvmlDeviceGetCount()
-        xids = self._xids.collect(nv)
+        xids = self._xids.collect(nv, count)  # registers what is missing, then drains
         gpus = tuple(self._gpu(nv, index, xids) for index in range(count))
         return GpuSnapshot(driver_version=driver, cuda_version=cuda, gpus=gpus)
 

@@ -100,7 +100,8 @@ class GpuInfo:
     nvlink_total: int | None = None  # links the GPU has; None: no NVLink reported
     fabric_state: str | None = None  # FABRIC_*; None: no NVSwitch fabric (or not read)
     fabric_error: str | None = None  # set when the fabric set-up finished with a failure
-    xid_events: tuple[XidEvent, ...] | None = None  # recent ones; None: not watched
+    # Critical Xids of the last hour, oldest first; None: not watched now, and none kept.
+    xid_events: tuple[XidEvent, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -101,12 +101,9 @@ class EngineProbe:
         except (ValueError, KeyError, AttributeError, TypeError):
             return None
 
-    async def health_generate(self, timeout: float) -> bool:
-        """SGLang's one-token generation through the whole engine; a timeout is a failure."""
-        return await self.health_generate_failure(timeout) is None
-
     async def health_generate_failure(self, timeout: float) -> str | None:
-        """Why `/health_generate` failed, or None when it answered 200 in time."""
+        """Why SGLang's one-token generation through the whole engine (`/health_generate`)
+        failed, or None when it answered 200 in time; a timeout is a failure."""
         try:
             response = await self._http.get("/health_generate", timeout=timeout)
         except httpx.TimeoutException:

@@ -208,8 +208,9 @@ def _xids(info: GpuInfo) -> CheckResult:
     check_id, title = f"gpu.{i}.xid", f"GPU {i} Xid errors"
     events = info.xid_events
     if events is None:
-        return verdict(check_id, title, (), f"Xid errors on GPU {i} are not watched (NVML "
-                       "refused the event registration); `dmesg` still has them")
+        return verdict(check_id, title, (), f"Xid errors on GPU {i} are not watched right "
+                       "now (NVML has not registered it for Xid events yet, or it does not "
+                       "support them); `dmesg` still has them")
     if not events:
         return verdict(check_id, title, (), f"no recent Xid error on GPU {i}")
     findings = []

@@ -33,7 +33,7 @@ from appliance.health.rows import (
     HealthSampleRow,
     HealthTransitionRow,
 )
-from appliance.health.transitions import Transition
+from appliance.health.transitions import Transition, kind_of
 
 HOUR = dt.timedelta(hours=1)
 Point = tuple[dt.datetime, float]
@@ -205,9 +205,7 @@ class TransitionView:
     @property
     def kind(self) -> str:
         """"failure", "recovery" or "change", as `transitions.Transition.kind`."""
-        if self.previous_level is Level.OK:
-            return "failure"
-        return "recovery" if self.level is Level.OK else "change"
+        return kind_of(self.previous_level, self.level)
 
 
 def transitions(session: Session, check_id: str | None = None,

@@ -33,35 +33,29 @@ LOAD_PER_CPU_WARN = 2.0
 K3_WEIGHTS = "a Kimi K3 weight set needs about 1.56 TB"
 
 
-def _volume(path: Path) -> tuple[int | None, int | None]:
-    """(free, total) bytes of the volume holding `path` or, while it does not exist, its
-    nearest existing parent; (None, None) when even that cannot be read."""
+def disk_space(path: Path, *, nearest_parent: bool = True) -> tuple[int, int] | None:
+    """(free, total) bytes of the volume holding `path` (blocking); None when it cannot be
+    read. A directory that does not exist yet is measured on its nearest existing parent, the
+    volume it will live on, unless `nearest_parent` is False (a mount point such as /dev/shm,
+    whose parent is the wrong volume): then anything but a directory is None."""
     probe = path
     try:
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
+        if nearest_parent:
+            while not probe.exists() and probe != probe.parent:
+                probe = probe.parent
+        elif not probe.is_dir():
+            return None
         usage = psutil.disk_usage(str(probe))
     except OSError:
-        return None, None
-    return usage.free, usage.total
-
-
-def _shm_volume(shm: Path) -> tuple[int | None, int | None]:
-    """The shared-memory mount's own (free, total): a parent would be the wrong volume."""
-    try:
-        if not shm.is_dir():
-            return None, None
-        usage = psutil.disk_usage(str(shm))
-    except OSError:
-        return None, None
+        return None
     return usage.free, usage.total
 
 
 def read_host(paths: PathsConfig, now: dt.datetime, *, shm: Path = SHM) -> HostFigures:
     """One reading of the host (blocking)."""
-    models_free, models_total = _volume(paths.models_dir)
-    state_free, state_total = _volume(paths.state_dir)
-    shm_free, shm_total = _shm_volume(shm)
+    models_free, models_total = disk_space(paths.models_dir) or (None, None)
+    state_free, state_total = disk_space(paths.state_dir) or (None, None)
+    shm_free, shm_total = disk_space(shm, nearest_parent=False) or (None, None)
     memory = psutil.virtual_memory()
     load1 = 0.0
     with contextlib.suppress(OSError):
@@ -88,6 +82,15 @@ def _result(check_id: str, title: str, level: Level, summary: str, hint: str) ->
                        else "")
 
 
+def _warn_line(check_id: str, title: str, summary: str, *, crossed: bool, line: str,
+               hint: str) -> CheckResult:
+    """WARN when the reading crossed its warning line (`line` says which, after the summary),
+    otherwise OK."""
+    if crossed:
+        return _result(check_id, title, Level.WARN, f"{summary}, {line}", hint)
+    return _result(check_id, title, Level.OK, summary, hint)
+
+
 def _disk(check_id: str, title: str, name: str, free: int | None, total: int | None,
           warn_gib: int, critical_gib: int, hint: str) -> CheckResult:
     if free is None:
@@ -109,13 +112,12 @@ def _memory(figures: HostFigures, health: HealthConfig) -> CheckResult:
     percent = 100 * figures.memory_available_bytes / total if total else 100.0
     summary = (f"{_gib(figures.memory_available_bytes)} of {_gib(total)} RAM available "
                f"({percent:.1f}%)")
-    if percent < health.memory_available_warn_percent:
-        return _result(
-            "host.memory", "Host memory", Level.WARN,
-            f"{summary}, under the {health.memory_available_warn_percent}% warning line",
-            "find what holds the memory (`ps aux --sort=-rss | head`); the kernel's OOM killer "
-            "would pick the largest process, which is the engine")
-    return _result("host.memory", "Host memory", Level.OK, summary, "")
+    limit = health.memory_available_warn_percent
+    return _warn_line(
+        "host.memory", "Host memory", summary, crossed=percent < limit,
+        line=f"under the {limit}% warning line",
+        hint="find what holds the memory (`ps aux --sort=-rss | head`); the kernel's OOM "
+        "killer would pick the largest process, which is the engine")
 
 
 def _shm(figures: HostFigures, health: HealthConfig) -> CheckResult:
@@ -126,37 +128,32 @@ def _shm(figures: HostFigures, health: HealthConfig) -> CheckResult:
                        "SGLang's processes and NCCL share memory through /dev/shm: mount it "
                        "(tmpfs) before starting the engine")
     summary = f"{SHM_PATH} has {_gib(free)} free of {_gib(total or 0)}"
-    if free < health.shm_free_warn_gib * GIB:
-        return _result(
-            "host.shm", "Shared memory", Level.WARN,
-            f"{summary}, under the {health.shm_free_warn_gib} GiB warning line",
-            "find what fills it (`ls -la --sort=size /dev/shm`): segments left by a killed "
-            "engine (torch_*, nccl-*) can be removed while no engine runs; /dev/shm lives in "
-            "RAM")
-    return _result("host.shm", "Shared memory", Level.OK, summary, "")
+    limit = health.shm_free_warn_gib
+    return _warn_line(
+        "host.shm", "Shared memory", summary, crossed=free < limit * GIB,
+        line=f"under the {limit} GiB warning line",
+        hint="find what fills it (`ls -la --sort=size /dev/shm`): segments left by a killed "
+        "engine (torch_*, nccl-*) can be removed while no engine runs; /dev/shm lives in RAM")
 
 
 def _load(figures: HostFigures) -> CheckResult:
     line = LOAD_PER_CPU_WARN * figures.cpu_count
     summary = f"load average {figures.load1:.1f} over 1 minute on {figures.cpu_count} CPUs"
-    if figures.load1 > line:
-        return _result(
-            "host.load", "Host load", Level.WARN, f"{summary}, over {line:g}",
-            "find what keeps the CPUs busy (`top`); a weight hash or download runs hot, but "
-            "the engine's tokenizer and schedulers need CPU time to keep the GPUs fed")
-    return _result("host.load", "Host load", Level.OK, summary, "")
+    return _warn_line(
+        "host.load", "Host load", summary, crossed=figures.load1 > line, line=f"over {line:g}",
+        hint="find what keeps the CPUs busy (`top`); a weight hash or download runs hot, but "
+        "the engine's tokenizer and schedulers need CPU time to keep the GPUs fed")
 
 
 def _daemon(figures: HostFigures, health: HealthConfig) -> CheckResult:
     rss_mib = figures.daemon_rss_bytes / MIB
     summary = f"the appliance daemon uses {rss_mib:,.0f} MiB of memory"
-    if rss_mib > health.daemon_rss_warn_mib:
-        return _result(
-            "host.daemon_memory", "Daemon memory", Level.WARN,
-            f"{summary}, over the {health.daemon_rss_warn_mib} MiB warning line",
-            "restart the control plane (`systemctl restart appliance`): the engine keeps "
-            "serving through it; if it grows again, report it with `appliance doctor --json`")
-    return _result("host.daemon_memory", "Daemon memory", Level.OK, summary, "")
+    limit = health.daemon_rss_warn_mib
+    return _warn_line(
+        "host.daemon_memory", "Daemon memory", summary, crossed=rss_mib > limit,
+        line=f"over the {limit} MiB warning line",
+        hint="restart the control plane (`systemctl restart appliance`): the engine keeps "
+        "serving through it; if it grows again, report it with `appliance doctor --json`")
 
 
 def host_checks(figures: HostFigures, health: HealthConfig,

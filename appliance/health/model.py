@@ -166,6 +166,9 @@ ENGINE_CACHE_HIT = "engine.cache_hit_rate"
 ENGINE_TTFT_P50 = "engine.ttft_p50_s"
 HOST_MODELS_FREE = "host.models_free_bytes"
 HOST_MEMORY_AVAILABLE = "host.memory_available_bytes"
+SAMPLE_NAMES = (GPU_TEMPERATURE, GPU_POWER, GPU_UTILIZATION, GPU_MEMORY_USED, ENGINE_TOKEN_USAGE,
+                ENGINE_THROUGHPUT, ENGINE_RUNNING, ENGINE_QUEUED, ENGINE_CACHE_HIT,
+                ENGINE_TTFT_P50, HOST_MODELS_FREE, HOST_MEMORY_AVAILABLE)  # every one of them
 
 
 @dataclass(frozen=True)

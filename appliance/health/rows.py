@@ -3,7 +3,7 @@
 Rows stay inside `appliance.health.history`, which hands out frozen views. The schema is owned
 by migration `0007_health`; these classes must match it (`tests/test_migrations.py` compares).
 Importing `appliance.runtime` imports this module, so `Base.metadata` holds these tables
-wherever a runtime can be built.
+wherever a runtime can be built; `migrations/env.py` imports it for Alembic run alone.
 
 - `health_samples`: one row per (at, name, subject) reading at each poll, kept
   `health.history_fine_hours`;

@@ -30,12 +30,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from html import escape
 
+from appliance.svg import TEXT_COLOUR, num
+
 Point = tuple[dt.datetime, float]
 
 WINDOW = dt.timedelta(hours=1)
 GAP_INTERVALS = 3.0
 LINE_COLOUR = "#0b5cad"
-TEXT_COLOUR = "#3b4550"
 MUTED_COLOUR = "#8a949e"
 
 
@@ -65,11 +66,6 @@ class Box:
     @property
     def plot_width(self) -> float:
         return self.width - self.label - self.pad
-
-
-def _num(value: float) -> str:
-    text = f"{value:.1f}"
-    return text[:-2] if text.endswith(".0") else text
 
 
 def y_range(values: Sequence[float], spark: Spark) -> tuple[float, float]:
@@ -142,8 +138,8 @@ def render_sparkline(points: Sequence[Point], spark: Spark, *, end: dt.datetime,
            f'<title id="{pid}-title">{escape(title)}</title>']
     middle = box.height / 2
     if not inside:
-        out.append(f'<line x1="{_num(box.pad)}" x2="{_num(box.plot_width)}" '
-                   f'y1="{_num(middle)}" y2="{_num(middle)}" stroke="{MUTED_COLOUR}" '
+        out.append(f'<line x1="{num(box.pad)}" x2="{num(box.plot_width)}" '
+                   f'y1="{num(middle)}" y2="{num(middle)}" stroke="{MUTED_COLOUR}" '
                    'stroke-width="1" stroke-dasharray="2 3"/>')
         out.append(_label(box, middle, "no data", MUTED_COLOUR))
         out.append("</svg>")
@@ -159,20 +155,20 @@ def render_sparkline(points: Sequence[Point], spark: Spark, *, end: dt.datetime,
     for part in parts:
         if len(part) == 1:
             x, y = xy(part[0])
-            out.append(f'<circle class="lone" cx="{_num(x)}" cy="{_num(y)}" r="1.5" '
+            out.append(f'<circle class="lone" cx="{num(x)}" cy="{num(y)}" r="1.5" '
                        f'fill="{colour}"/>')
             continue
-        path = " ".join(f"{'M' if i == 0 else 'L'}{_num(x)} {_num(y)}"
+        path = " ".join(f"{'M' if i == 0 else 'L'}{num(x)} {num(y)}"
                         for i, (x, y) in enumerate(map(xy, part)))
         out.append(f'<path class="line" d="{path}" fill="none" stroke="{colour}" '
                    'stroke-width="1.5" stroke-linejoin="round" stroke-linecap="round"/>')
     x, y = xy(inside[-1])
-    out.append(f'<circle class="last" cx="{_num(x)}" cy="{_num(y)}" r="2" fill="{colour}"/>')
+    out.append(f'<circle class="last" cx="{num(x)}" cy="{num(y)}" r="2" fill="{colour}"/>')
     out.append(_label(box, middle, spark.fmt(inside[-1][1]), TEXT_COLOUR))
     out.append("</svg>")
     return "\n".join(out)
 
 
 def _label(box: Box, middle: float, text: str, colour: str) -> str:
-    return (f'<text class="value" x="{_num(box.plot_width + 5)}" y="{_num(middle + 4)}" '
+    return (f'<text class="value" x="{num(box.plot_width + 5)}" y="{num(middle + 4)}" '
             f'font-size="11" fill="{colour}">{escape(text)}</text>')

@@ -48,12 +48,14 @@ class Transition:
 
     @property
     def kind(self) -> str:
-        """"failure" (from OK), "recovery" (to OK) or "change" (WARN <-> CRITICAL)."""
-        if self.previous is Level.OK:
-            return "failure"
-        if self.level is Level.OK:
-            return "recovery"
-        return "change"
+        return kind_of(self.previous, self.level)
+
+
+def kind_of(previous: Level, level: Level) -> str:
+    """"failure" (from OK), "recovery" (to OK) or "change" (WARN <-> CRITICAL)."""
+    if previous is Level.OK:
+        return "failure"
+    return "recovery" if level is Level.OK else "change"
 
 
 def changes(known: Known, results: Iterable[CheckResult], at: dt.datetime) -> list[Transition]:

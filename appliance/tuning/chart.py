@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
 
+from appliance.svg import num, text_element
 from appliance.tuning.recommend import CurvePoint
 
 X_LOW = 0.02
@@ -43,7 +44,6 @@ RECOMMENDED_COLOUR = "#0b5cad"
 BALANCED_COLOUR = "#1a7f37"
 GRID_COLOUR = "#e4e7eb"
 AXIS_COLOUR = "#8a949e"
-TEXT_COLOUR = "#3b4550"
 
 
 @dataclass(frozen=True)
@@ -98,21 +98,9 @@ def ratio_text(ratio: float) -> str:
     return f"{ratio:g}" if ratio >= 0.01 else f"{ratio:.3g}"
 
 
-def _num(value: float) -> str:
-    text = f"{value:.1f}"
-    return text[:-2] if text.endswith(".0") else text
-
-
-def _text(x: float, y: float, content: str, *, anchor: str = "start", size: int = 12,
-          colour: str = TEXT_COLOUR, weight: str = "", extra: str = "") -> str:
-    bold = f' font-weight="{weight}"' if weight else ""
-    return (f'<text x="{_num(x)}" y="{_num(y)}" text-anchor="{anchor}" font-size="{size}" '
-            f'fill="{colour}"{bold}{extra}>{escape(content)}</text>')
-
-
 def _polyline(frame: Frame, kind: str, points: Sequence[tuple[float, float]], colour: str, *,
               dash: str = "") -> str:
-    coords = " ".join(f"{_num(frame.x(r))},{_num(frame.y(v))}" for r, v in points)
+    coords = " ".join(f"{num(frame.x(r))},{num(frame.y(v))}" for r, v in points)
     dashed = f' stroke-dasharray="{dash}"' if dash else ""
     return (f'<polyline class="{kind}" points="{coords}" fill="none" stroke="{colour}" '
             f'stroke-width="2.5" stroke-linejoin="round"{dashed}/>')
@@ -183,34 +171,35 @@ def render_chart(points: Sequence[CurvePoint], *, current: float | None,
         f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
         f'width="100%" role="img" aria-labelledby="{pid}-title {pid}-desc" '
         f'class="tuning-chart" font-family="system-ui, -apple-system, Segoe UI, sans-serif" '
-        f'data-y-max="{_num(top)}">',
+        f'data-y-max="{num(top)}">',
         f'<title id="{pid}-title">{escape(title)}</title>',
         f'<desc id="{pid}-desc">{escape(words)}</desc>',
         f'<clipPath id="{pid}-clip"><rect x="{frame.left}" y="{frame.top}" '
-        f'width="{_num(frame.plot_width)}" height="{_num(frame.plot_height)}"/></clipPath>',
-        f'<rect x="{frame.left}" y="{frame.top}" width="{_num(frame.plot_width)}" '
-        f'height="{_num(frame.plot_height)}" fill="#fbfcfd"/>',
+        f'width="{num(frame.plot_width)}" height="{num(frame.plot_height)}"/></clipPath>',
+        f'<rect x="{frame.left}" y="{frame.top}" width="{num(frame.plot_width)}" '
+        f'height="{num(frame.plot_height)}" fill="#fbfcfd"/>',
     ]
     out += _axes(frame, step)
     out += _legend(frame, target)
     if not ordered:
-        out.append(_text(frame.left + frame.plot_width / 2, frame.top + frame.plot_height / 2,
-                         "No ratio from 0.02 to 50 leaves room for both pools in this budget",
-                         anchor="middle", size=13))
+        out.append(text_element(
+            frame.left + frame.plot_width / 2, frame.top + frame.plot_height / 2,
+            "No ratio from 0.02 to 50 leaves room for both pools in this budget",
+            anchor="middle", size=13))
         out.append("</svg>")
         return "\n".join(out)
     out.append(f'<g clip-path="url(#{pid}-clip)" class="curves">')
     served = [(p.ratio, float(p.concurrent)) for p in ordered]
     area = " ".join(
-        [f"{_num(frame.x(ordered[0].ratio))},{_num(frame.baseline)}"]
-        + [f"{_num(frame.x(r))},{_num(frame.y(v))}" for r, v in served]
-        + [f"{_num(frame.x(ordered[-1].ratio))},{_num(frame.baseline)}"])
+        [f"{num(frame.x(ordered[0].ratio))},{num(frame.baseline)}"]
+        + [f"{num(frame.x(r))},{num(frame.y(v))}" for r, v in served]
+        + [f"{num(frame.x(ordered[-1].ratio))},{num(frame.baseline)}"])
     out.append(f'<polygon class="served" points="{area}" fill="{SERVED_COLOUR}" '
                'fill-opacity="0.12" stroke="none"/>')
     if target:
         y = frame.y(target)
-        out.append(f'<line class="target" x1="{frame.left}" x2="{_num(frame.width - frame.right)}" '
-                   f'y1="{_num(y)}" y2="{_num(y)}" stroke="{AXIS_COLOUR}" stroke-width="1.5" '
+        out.append(f'<line class="target" x1="{frame.left}" x2="{num(frame.width - frame.right)}" '
+                   f'y1="{num(y)}" y2="{num(y)}" stroke="{AXIS_COLOUR}" stroke-width="1.5" '
                    'stroke-dasharray="2 4"/>')
     out.append(_polyline(frame, "state-limit", [(p.ratio, p.state_limit) for p in ordered],
                          STATE_COLOUR))
@@ -220,9 +209,9 @@ def render_chart(points: Sequence[CurvePoint], *, current: float | None,
     if target:
         y = frame.y(target)
         if frame.top + 10 <= y <= frame.baseline:
-            out.append(_text(frame.left + 6, y - 5, f"target {target}", size=11,
-                             extra=' class="target-label" stroke="#fff" stroke-width="3" '
-                             'paint-order="stroke"'))
+            out.append(text_element(frame.left + 6, y - 5, f"target {target}", size=11,
+                                    extra=' class="target-label" stroke="#fff" stroke-width="3" '
+                                    'paint-order="stroke"'))
     out += _markers(frame, ordered, current=current, recommended=recommended,
                     balanced=balanced, current_concurrent=current_concurrent,
                     recommended_concurrent=recommended_concurrent)
@@ -235,28 +224,28 @@ def _axes(frame: Frame, step: float) -> list[str]:
     value = 0.0
     while value <= frame.y_max + 1e-9:
         y = frame.y(value)
-        out.append(f'<line x1="{frame.left}" x2="{_num(frame.width - frame.right)}" '
-                   f'y1="{_num(y)}" y2="{_num(y)}" stroke="{GRID_COLOUR}" stroke-width="1"/>')
-        out.append(_text(frame.left - 8, y + 4, f"{value:g}", anchor="end", size=11))
+        out.append(f'<line x1="{frame.left}" x2="{num(frame.width - frame.right)}" '
+                   f'y1="{num(y)}" y2="{num(y)}" stroke="{GRID_COLOUR}" stroke-width="1"/>')
+        out.append(text_element(frame.left - 8, y + 4, f"{value:g}", anchor="end", size=11))
         value += step
     for tick in X_TICKS:
         x = frame.x(tick)
-        out.append(f'<line x1="{_num(x)}" x2="{_num(x)}" y1="{frame.top}" '
-                   f'y2="{_num(frame.baseline)}" stroke="{GRID_COLOUR}" stroke-width="1"/>')
-        out.append(f'<line x1="{_num(x)}" x2="{_num(x)}" y1="{_num(frame.baseline)}" '
-                   f'y2="{_num(frame.baseline + 5)}" stroke="{AXIS_COLOUR}" stroke-width="1"/>')
-        out.append(_text(x, frame.baseline + 18, ratio_text(tick), anchor="middle", size=11))
-    out.append(f'<line x1="{frame.left}" x2="{_num(frame.width - frame.right)}" '
-               f'y1="{_num(frame.baseline)}" y2="{_num(frame.baseline)}" '
+        out.append(f'<line x1="{num(x)}" x2="{num(x)}" y1="{frame.top}" '
+                   f'y2="{num(frame.baseline)}" stroke="{GRID_COLOUR}" stroke-width="1"/>')
+        out.append(f'<line x1="{num(x)}" x2="{num(x)}" y1="{num(frame.baseline)}" '
+                   f'y2="{num(frame.baseline + 5)}" stroke="{AXIS_COLOUR}" stroke-width="1"/>')
+        out.append(text_element(x, frame.baseline + 18, ratio_text(tick), anchor="middle", size=11))
+    out.append(f'<line x1="{frame.left}" x2="{num(frame.width - frame.right)}" '
+               f'y1="{num(frame.baseline)}" y2="{num(frame.baseline)}" '
                f'stroke="{AXIS_COLOUR}" stroke-width="1"/>')
     out.append(f'<line x1="{frame.left}" x2="{frame.left}" y1="{frame.top}" '
-               f'y2="{_num(frame.baseline)}" stroke="{AXIS_COLOUR}" stroke-width="1"/>')
-    out.append(_text(frame.left + frame.plot_width / 2, frame.height - 10,
-                     "--mamba-full-memory-ratio (state : KV, log scale)", anchor="middle",
-                     size=12))
+               f'y2="{num(frame.baseline)}" stroke="{AXIS_COLOUR}" stroke-width="1"/>')
+    out.append(text_element(frame.left + frame.plot_width / 2, frame.height - 10,
+                            "--mamba-full-memory-ratio (state : KV, log scale)", anchor="middle",
+                            size=12))
     middle = frame.top + frame.plot_height / 2
-    out.append(_text(16, middle, "concurrent requests", anchor="middle", size=12,
-                     extra=f' transform="rotate(-90 16 {_num(middle)})"'))
+    out.append(text_element(16, middle, "concurrent requests", anchor="middle", size=12,
+                            extra=f' transform="rotate(-90 16 {num(middle)})"'))
     out.append("</g>")
     return out
 
@@ -271,7 +260,7 @@ def _legend(frame: Frame, target: int | None) -> list[str]:
         entries.append(("target", "Target"))
     for kind, label in entries:
         if kind == "served":
-            out.append(f'<rect x="{_num(x)}" y="{_num(y - 7)}" width="22" height="10" '
+            out.append(f'<rect x="{num(x)}" y="{num(y - 7)}" width="22" height="10" '
                        f'fill="{SERVED_COLOUR}" fill-opacity="0.12" stroke="{SERVED_COLOUR}" '
                        'stroke-opacity="0.3"/>')
         else:
@@ -279,9 +268,9 @@ def _legend(frame: Frame, target: int | None) -> list[str]:
                 "state": (STATE_COLOUR, "", "2.5"), "kv": (KV_COLOUR, "7 4", "2.5"),
                 "target": (AXIS_COLOUR, "2 4", "1.5")}[kind]
             dashed = f' stroke-dasharray="{dash}"' if dash else ""
-            out.append(f'<line x1="{_num(x)}" x2="{_num(x + 22)}" y1="{_num(y - 2)}" '
-                       f'y2="{_num(y - 2)}" stroke="{colour}" stroke-width="{stroke}"{dashed}/>')
-        out.append(_text(x + 28, y + 2, label, size=12))
+            out.append(f'<line x1="{num(x)}" x2="{num(x + 22)}" y1="{num(y - 2)}" '
+                       f'y2="{num(y - 2)}" stroke="{colour}" stroke-width="{stroke}"{dashed}/>')
+        out.append(text_element(x + 28, y + 2, label, size=12))
         x += 28 + len(label) * 6.6 + 20
     out.append("</g>")
     return out
@@ -300,27 +289,27 @@ def _markers(frame: Frame, ordered: Sequence[CurvePoint], *, current: float | No
             continue
         x = frame.x(ratio)
         dashed = f' stroke-dasharray="{dash}"' if dash else ""
-        out.append(f'<line class="{kind}" x1="{_num(x)}" x2="{_num(x)}" y1="{frame.top}" '
-                   f'y2="{_num(frame.baseline)}" stroke="{colour}" stroke-width="2"{dashed}/>')
+        out.append(f'<line class="{kind}" x1="{num(x)}" x2="{num(x)}" y1="{frame.top}" '
+                   f'y2="{num(frame.baseline)}" stroke="{colour}" stroke-width="2"{dashed}/>')
         if concurrent is not None and concurrent <= frame.y_max:
-            out.append(f'<circle class="{kind}-point" cx="{_num(x)}" '
-                       f'cy="{_num(frame.y(concurrent))}" r="4" fill="{colour}"/>')
+            out.append(f'<circle class="{kind}-point" cx="{num(x)}" '
+                       f'cy="{num(frame.y(concurrent))}" r="4" fill="{colour}"/>')
         figure = f" · {concurrent}" if concurrent is not None else ""
         labels.append(_Label(x, f"{kind} {ratio_text(ratio)}{figure}", colour))
     if balanced is not None:
         x = frame.x(balanced)
         level = value_at(ordered, balanced, "state_limit")
         if level is not None and level <= frame.y_max:
-            out.append(f'<circle class="balanced" cx="{_num(x)}" cy="{_num(frame.y(level))}" '
+            out.append(f'<circle class="balanced" cx="{num(x)}" cy="{num(frame.y(level))}" '
                        f'r="6" fill="#fff" stroke="{BALANCED_COLOUR}" stroke-width="2.5"/>')
-        out.append(f'<line class="balanced-tick" x1="{_num(x)}" x2="{_num(x)}" '
-                   f'y1="{_num(frame.baseline - 6)}" y2="{_num(frame.baseline)}" '
+        out.append(f'<line class="balanced-tick" x1="{num(x)}" x2="{num(x)}" '
+                   f'y1="{num(frame.baseline - 6)}" y2="{num(frame.baseline)}" '
                    f'stroke="{BALANCED_COLOUR}" stroke-width="2.5"/>')
         labels.append(_Label(x, f"balanced {ratio_text(balanced)}", BALANCED_COLOUR))
     for label in _place(labels, frame):
         y = frame.top - 10 - label.row * 16
-        out.append(_text(label.x, y, label.text, anchor="middle", size=12,
-                         colour=label.colour, weight="600"))
+        out.append(text_element(label.x, y, label.text, anchor="middle", size=12,
+                                colour=label.colour, weight="600"))
     out.append("</g>")
     return out
 

@@ -6,7 +6,7 @@ unmuting answer with it, refreshed, so the page never reloads. Without htmx the 
 normally and redirect back to the page. Muting takes 1 hour, 24 hours or "until unmuted"
 and an optional reason; the monitor records it (audited `health.mute`/`health.unmute`).
 A refusal (an unknown check, a bad duration) shows above the board, which stays. Reading is
-not audited. The data comes through `appliance.api.health.load_board`, as the API's does.
+not audited. The data and the mutes go through `appliance.api.health`, as the API's do.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from litestar import get, post
 from litestar.params import FromPath, URLEncodedBody
 from litestar.response import Redirect, Template
 
-from appliance.api.health import check_reason, known_check, load_board, mute_until
+from appliance.api.health import load_board, mute_check, unmute_check
 from appliance.auth.middleware import client_address
 from appliance.errors import ApplianceError
 from appliance.health.views import health_page
@@ -50,6 +50,13 @@ async def _board(request: AdminRequest, status_code: int = 200, **extra: Any) ->
     return Template(name, status_code=status_code, context=await _context(request, **extra))
 
 
+async def _done(request: AdminRequest, **extra: Any) -> Template | Redirect:
+    """After a change: the refreshed board for htmx, otherwise back to the page."""
+    if not _htmx(request):
+        return Redirect("/health", status_code=303)
+    return await _board(request, **extra)
+
+
 @get("/health", **GUARDED)
 async def health_ui(request: AdminRequest) -> Template:
     """The page, or (from htmx) the board alone."""
@@ -60,9 +67,7 @@ async def health_ui(request: AdminRequest) -> Template:
 async def health_check_ui(request: AdminRequest) -> Template | Redirect:
     """Run every check now and show the result."""
     await runtime_of(request).health.check_all()
-    if not _htmx(request):
-        return Redirect("/health", status_code=303)
-    return await _board(request, notice="Every check ran just now.")
+    return await _done(request, notice="Every check ran just now.")
 
 
 @dataclass
@@ -79,30 +84,19 @@ async def health_mute_ui(request: AdminRequest, check: FromPath[str],
         if data.duration not in DURATIONS:
             raise ApplianceError("health_mute_invalid", f"unknown duration {data.duration!r}",
                                  "choose 1 hour, 24 hours or until unmuted", status=422)
-        until = mute_until(DURATIONS[data.duration], runtime.clock.now())
-        reason = check_reason(data.reason)
-        known_check(runtime, check)
-        await runtime.health.mute(check, until=until, by=request.user.username, reason=reason,
-                                 address=client_address(request))
+        await mute_check(runtime, check, DURATIONS[data.duration], data.reason,
+                         by=request.user.username, address=client_address(request))
     except ApplianceError as exc:
         return await _board(request, status_code=exc.status, error=exc)
-    if not _htmx(request):
-        return Redirect("/health", status_code=303)
-    return await _board(request)
+    return await _done(request)
 
 
 @post("/health/checks/{check:str}/unmute", **GUARDED)
 async def health_unmute_ui(request: AdminRequest,
                            check: FromPath[str]) -> Template | Redirect:
-    runtime = runtime_of(request)
-    board = await load_board(runtime)
     try:
-        if check not in board.mutes:
-            known_check(runtime, check)
-        await runtime.health.unmute(check, by=request.user.username,
-                                     address=client_address(request))
+        await unmute_check(runtime_of(request), check, by=request.user.username,
+                           address=client_address(request))
     except ApplianceError as exc:
         return await _board(request, status_code=exc.status, error=exc)
-    if not _htmx(request):
-        return Redirect("/health", status_code=303)
-    return await _board(request)
+    return await _done(request)

@@ -24,7 +24,7 @@ from appliance.auth.tokens import list_tokens
 from appliance.config import describe
 from appliance.db.journal import SEVERITIES, list_audit, list_events
 from appliance.errors import ApplianceError
-from appliance.health.views import dashboard as health_dashboard
+from appliance.health.dashboard_views import dashboard as health_dashboard
 from appliance.runtime import runtime_of
 from appliance.status import daemon_status
 from appliance.ui.login import (
