@@ -15,8 +15,8 @@ import psutil
 
 from appliance.auth.bootstrap import bootstrap_file
 from appliance.db.schema import schema_state
-from appliance.health.host_checks import disk_space
 from appliance.runtime import Runtime
+from appliance.volumes import disk_space
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,12 @@ import psutil
 
 from appliance.config import Config, HealthConfig, PathsConfig
 from appliance.db.database import Database
-from appliance.health.host_checks import GIB, MIB, disk_space, host_checks, read_host
+from appliance.health.host_checks import GIB, MIB, host_checks, read_host
 from appliance.health.model import HostFigures, Level
 from appliance.runtime import build_runtime
 from appliance.status import daemon_status
 from appliance.testing.clock import FakeClock
+from appliance.volumes import disk_space
 
 NOW = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
 HEALTH = HealthConfig()

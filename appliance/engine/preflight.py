@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import os
 import socket
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import psutil
 
 from appliance.config import Config
 from appliance.gpu.port import GpuPort, GpuSnapshot, snapshot_with_timeout
+from appliance.volumes import disk_space
 
 GIB = 1 << 30
 
@@ -323,7 +323,7 @@ def gather_facts(
     port = config.engine.port
     free, holder, port_error = _probe_port(port)
     exists, has_config, shards = _model_files(directory)
-    shm_total, shm_free = _usage(shm_path) if shm_path.exists() else (None, None)
+    shm_free, shm_total = disk_space(shm_path, nearest_parent=False) or (None, None)
     return PreflightFacts(
         gpus=snapshot_with_timeout(gpus, gpu_timeout_s),
         own_pids=_with_children(own_pids),
@@ -338,7 +338,7 @@ def gather_facts(
         weights_verified=weights_verified,
         weights_detail=weights_detail,
         weights_hint=weights_hint,
-        models_free_bytes=_usage(nearest_existing(directory))[1],
+        models_free_bytes=(disk_space(directory) or (None, None))[0],
         shm_total_bytes=shm_total,
         shm_free_bytes=shm_free,
     )
@@ -405,17 +405,3 @@ def _port_holder(port: int) -> PortHolder | None:
     return PortHolder(pid=pid, name=name, command=command)
 
 
-def nearest_existing(path: Path) -> Path:
-    """`path`, or its nearest existing parent (the volume a folder to be created will be on)."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def _usage(path: Path) -> tuple[int | None, int | None]:
-    """(total, free) bytes of the filesystem holding `path`; (None, None) if unreadable."""
-    try:
-        usage = psutil.disk_usage(os.fspath(path))
-    except OSError:
-        return None, None
-    return usage.total, usage.free

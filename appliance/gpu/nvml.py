@@ -46,7 +46,7 @@ _EXPLANATIONS: dict[str, tuple[str, str]] = {
         "the NVML library (libnvidia-ml.so.1) was not found: no NVIDIA driver is installed",
         "install the NVIDIA datacenter driver (the appliance checks drivers, it never installs "
         "them) and confirm with `nvidia-smi`; on a machine without NVIDIA GPUs (development, "
-        "CI) set gpu.expected_count = 0 or run with --dev",
+        "CI) set gpu.expected_count = 0 (APPLIANCE_GPU_EXPECTED_COUNT=0)",
     ),
     "NVML_ERROR_DRIVER_NOT_LOADED": DRIVER_NOT_LOADED,
     "NVML_ERROR_NO_PERMISSION": (

@@ -16,6 +16,7 @@ import json
 from typing import Any
 
 from appliance.config import Config
+from appliance.health.model import Level
 
 EXIT_CRITICAL = 1
 
@@ -39,4 +40,4 @@ def run(args: argparse.Namespace, config: Config) -> int:
         print(json.dumps(report.to_json(), indent=2, ensure_ascii=False))
     else:
         print(render(report))
-    return EXIT_CRITICAL if report.overall.label == "critical" else 0
+    return EXIT_CRITICAL if report.overall is Level.CRITICAL else 0

@@ -23,6 +23,7 @@ import psutil
 
 from appliance.config import HealthConfig, PathsConfig
 from appliance.health.model import CheckResult, HostFigures, Level
+from appliance.volumes import disk_space
 
 GROUP = "host"
 GIB = 1 << 30
@@ -31,24 +32,6 @@ SHM_PATH = "/dev/shm"  # noqa: S108 - measured with statvfs, never written to
 SHM = Path(SHM_PATH)
 LOAD_PER_CPU_WARN = 2.0
 K3_WEIGHTS = "a Kimi K3 weight set needs about 1.56 TB"
-
-
-def disk_space(path: Path, *, nearest_parent: bool = True) -> tuple[int, int] | None:
-    """(free, total) bytes of the volume holding `path` (blocking); None when it cannot be
-    read. A directory that does not exist yet is measured on its nearest existing parent, the
-    volume it will live on, unless `nearest_parent` is False (a mount point such as /dev/shm,
-    whose parent is the wrong volume): then anything but a directory is None."""
-    probe = path
-    try:
-        if nearest_parent:
-            while not probe.exists() and probe != probe.parent:
-                probe = probe.parent
-        elif not probe.is_dir():
-            return None
-        usage = psutil.disk_usage(str(probe))
-    except OSError:
-        return None
-    return usage.free, usage.total
 
 
 def read_host(paths: PathsConfig, now: dt.datetime, *, shm: Path = SHM) -> HostFigures:

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from appliance.engine.preflight import nearest_existing
 from appliance.errors import ApplianceError
+from appliance.volumes import nearest_existing
 from appliance.weights import records
 from appliance.weights.downloader import (
     DiskFull,
-        Transfer,
+    Transfer,
     TransferFailed,
     TransferPolicy,
     part_path,
