@@ -49,13 +49,15 @@ GENERATION_PATHS = {"/health_generate", "/v1/chat/completions"}
 
 def exposition(*, running: int = 0, queued: int = 0, prompt: float = 0, generated: float = 0,
                cached: float = 0, requests: float = 0, ttft: dict[float, float] | None = None,
-               gen_gauge: float = 0.0, hit_gauge: float = 0.0, usage: float = 0.1) -> str:
+               gen_gauge: float = 0.0, hit_gauge: float = 0.0, usage: float = 0.1,
+               state_usage: float = 0.3) -> str:
     """SGLang-shaped text: gauges from TP0 and TP1 (the same batch, as with
     --enable-metrics-for-all-schedulers), cached tokens split by cache_source, and time to
     first token split by is_streaming (two thirds streaming)."""
     lines = []
     for name, value in (("num_running_reqs", running), ("num_queue_reqs", queued),
-                        ("token_usage", usage), ("gen_throughput", gen_gauge),
+                        ("token_usage", usage), ("mamba_usage", state_usage),
+                        ("gen_throughput", gen_gauge),
                         ("cache_hit_rate", hit_gauge)):
         lines += [f"# TYPE sglang:{name} gauge"]
         lines += [f'sglang:{name}{{{LABELS},tp_rank="{rank}"}} {float(value)}' for rank in (0, 1)]
@@ -89,6 +91,7 @@ def test_parse_combines_label_sets_as_sglang_exports_them() -> None:
                                        ttft={0.1: 3, 0.2: 9, INF: 12}))
     assert (reading.running_requests, reading.queued_requests) == (3, 2)  # TP0 only
     assert reading.token_usage == pytest.approx(0.1)
+    assert reading.state_usage == pytest.approx(0.3)  # the recurrent-state pool
     assert reading.cached_tokens == pytest.approx(120)  # device + host
     assert (reading.prompt_tokens, reading.generation_tokens, reading.requests) == (400, 900, 7)
     assert reading.time_to_first_token is not None

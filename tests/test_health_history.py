@@ -35,14 +35,14 @@ def test_samples_of_keeps_known_readings_only() -> None:
         GpuInfo(2, "GPU-2", "B300", 100, 0),  # telemetry not read: only memory is known
     ))
     engine = EngineFigures(at=at, state="ready", running_requests=3, queued_requests=0,
-                           token_usage=0.5)
+                           token_usage=0.5, state_usage=0.25)
     samples = history.samples_of(HealthSnapshot(at=at, gpus=gpus, engine=engine))
     assert set(samples) == {
         Sample(TEMP, "0", 61.0), Sample(model.GPU_POWER, "0", 700.0),
         Sample(model.GPU_UTILIZATION, "0", 93.0), Sample(model.GPU_MEMORY_USED, "0", 40.0),
         Sample(model.GPU_MEMORY_USED, "2", 0.0),
         Sample(model.ENGINE_RUNNING, "", 3.0), Sample(model.ENGINE_QUEUED, "", 0.0),
-        Sample(model.ENGINE_TOKEN_USAGE, "", 0.5),
+        Sample(model.ENGINE_TOKEN_USAGE, "", 0.5), Sample(model.ENGINE_STATE_USAGE, "", 0.25),
     }
 
 
@@ -50,7 +50,7 @@ def test_a_full_snapshot_keeps_every_sample_name_and_only_those() -> None:
     """`SAMPLE_NAMES` (what the API serves) and `samples_of` (what is kept) agree."""
     at = dt.datetime(2026, 11, 30, 12, tzinfo=dt.UTC)
     engine = EngineFigures(at=at, state="ready", running_requests=3, queued_requests=0,
-                           token_usage=0.5, cache_hit_rate=0.6,
+                           token_usage=0.5, state_usage=0.2, cache_hit_rate=0.6,
                            generation_tokens_per_second=900.0, ttft_p50_seconds=0.3)
     snapshot = HealthSnapshot(at=at, gpus=FakeGpus().snapshot(), engine=engine,
                               host=roomy_host(at))

@@ -70,7 +70,7 @@ Families = dict[str, list[Sample]]
 def engine_figures(**changes: Any) -> EngineFigures:
     figures = EngineFigures(
         at=NOW, state="ready", ready=True, running_requests=12, queued_requests=3,
-        token_usage=0.42, cache_hit_rate=0.61, generation_tokens_per_second=1850.0,
+        token_usage=0.42, state_usage=0.2, cache_hit_rate=0.61, generation_tokens_per_second=1850.0,
         ttft_p50_seconds=0.35, ttft_p90_seconds=1.2,
         canary=CanaryResult(at=NOW, ok=True, ttft_seconds=0.2,
                             decode_tokens_per_second=55.0))
@@ -248,6 +248,7 @@ def test_engine_figures_and_unknown_figures_left_out() -> None:
         "appliance_engine_load_progress_ratio": 0.375, "appliance_engine_eta_seconds": 3100,
         "appliance_engine_ready": 1, "appliance_engine_running_requests": 12,
         "appliance_engine_queued_requests": 3, "appliance_engine_token_usage_ratio": 0.42,
+        "appliance_engine_state_usage_ratio": 0.2,
         "appliance_engine_cache_hit_ratio": 0.61,
         "appliance_engine_generation_tokens_per_second": 1850,
         "appliance_engine_canary_ok": 1, "appliance_engine_canary_ttft_seconds": 0.2,

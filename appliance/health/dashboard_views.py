@@ -205,6 +205,7 @@ def engine_panel(figures: EngineFigures | None, series: Series,
         ("Prefix cache hit rate", share(f.cache_hit_rate)),
         ("Requests", f"{running} running, {queued} queued"),
         ("KV cache in use", share(f.token_usage)),
+        ("State pool in use", share(f.state_usage)),
     )
     sparks = tuple((spark.title[:1].upper() + spark.title[1:], render_sparkline(
         series.get((name, ""), ()), replace(spark, title=f"Engine {spark.title}"), end=now,

@@ -3,11 +3,12 @@ figures of the window between two readings. Pure: no IO, no clock.
 
 Names are `observability/metrics_collector.py`'s (shared/reference/sglang-0.5.23.md §4).
 How label sets are combined:
-- scheduler gauges (`num_running_reqs`, `num_queue_reqs`, `token_usage`, `cache_hit_rate`,
-  `gen_throughput`) come from TP rank 0 by default; with `--enable-metrics-for-all-schedulers`
-  every TP rank repeats the same batch, so only samples whose `tp_rank` is "0" (or that carry
-  none) count. What remains differs by data-parallel rank or model: counts and throughput are
-  summed, `token_usage` takes the fullest pool, `cache_hit_rate` the mean;
+- scheduler gauges (`num_running_reqs`, `num_queue_reqs`, `token_usage`, `mamba_usage`,
+  `cache_hit_rate`, `gen_throughput`) come from TP rank 0 by default; with
+  `--enable-metrics-for-all-schedulers` every TP rank repeats the same batch, so only
+  samples whose `tp_rank` is "0" (or that carry none) count. What remains differs by
+  data-parallel rank or model: counts and throughput are summed, `token_usage` and
+  `mamba_usage` take the fullest pool, `cache_hit_rate` the mean;
 - tokenizer counters and histograms are summed over every label set (`cache_source` splits
   `cached_tokens_total`, `is_streaming` splits time to first token, tokenizer workers split
   everything).
@@ -83,6 +84,7 @@ class MetricsReading:
     running_requests: int | None = None
     queued_requests: int | None = None
     token_usage: float | None = None
+    state_usage: float | None = None
     cache_hit_rate: float | None = None
     gen_throughput: float | None = None
     prompt_tokens: float | None = None
@@ -176,6 +178,7 @@ def parse_metrics(text: str) -> MetricsReading:
         running_requests=_int(_gauge(samples, "num_running_reqs", "sum")),
         queued_requests=_int(_gauge(samples, "num_queue_reqs", "sum")),
         token_usage=_gauge(samples, "token_usage", "max"),
+        state_usage=_gauge(samples, "mamba_usage", "max"),
         cache_hit_rate=_gauge(samples, "cache_hit_rate", "mean"),
         gen_throughput=_gauge(samples, "gen_throughput", "sum"),
         prompt_tokens=_counter(samples, "prompt_tokens_total"),

@@ -220,6 +220,7 @@ class EngineWatcher:
             running_requests=reading.running_requests if reading else None,
             queued_requests=reading.queued_requests if reading else None,
             token_usage=reading.token_usage if reading else None,
+            state_usage=reading.state_usage if reading else None,
             cache_hit_rate=window.cache_hit_rate if window else None,
             generation_tokens_per_second=window.generation_tokens_per_second if window else None,
             ttft_p50_seconds=window.ttft_p50_seconds if window else None,

@@ -69,6 +69,7 @@ def samples_of(snapshot: HealthSnapshot) -> list[Sample]:
     engine = snapshot.engine
     if engine is not None:
         keep(model.ENGINE_TOKEN_USAGE, "", engine.token_usage)
+        keep(model.ENGINE_STATE_USAGE, "", engine.state_usage)
         keep(model.ENGINE_THROUGHPUT, "", engine.generation_tokens_per_second)
         keep(model.ENGINE_RUNNING, "", engine.running_requests)
         keep(model.ENGINE_QUEUED, "", engine.queued_requests)

@@ -153,6 +153,9 @@ def _engine_figures(figures: EngineFigures | None) -> Iterable[Metric]:
                  figures.queued_requests)
     yield _gauge("appliance_engine_token_usage_ratio",
                  "Fraction of the KV-cache token pool in use (0..1)", figures.token_usage)
+    yield _gauge("appliance_engine_state_usage_ratio",
+                 "Fraction of the recurrent-state (mamba) pool in use (0..1)",
+                 figures.state_usage)
     yield _gauge("appliance_engine_cache_hit_ratio",
                  "Prefix-cache hit rate (0..1)", figures.cache_hit_rate)
     yield _gauge("appliance_engine_generation_tokens_per_second",

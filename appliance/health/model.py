@@ -89,6 +89,7 @@ class EngineFigures:
     running_requests: int | None = None
     queued_requests: int | None = None
     token_usage: float | None = None  # 0..1, KV pool in use
+    state_usage: float | None = None  # 0..1, K3's recurrent-state (mamba) pool in use
     cache_hit_rate: float | None = None  # 0..1
     generation_tokens_per_second: float | None = None
     ttft_p50_seconds: float | None = None
@@ -159,6 +160,7 @@ GPU_POWER = "gpu.power_w"
 GPU_UTILIZATION = "gpu.utilization_pct"
 GPU_MEMORY_USED = "gpu.memory_used_bytes"
 ENGINE_TOKEN_USAGE = "engine.token_usage"  # noqa: S105 - a series name, not a secret
+ENGINE_STATE_USAGE = "engine.state_usage"
 ENGINE_THROUGHPUT = "engine.generation_tps"
 ENGINE_RUNNING = "engine.running"
 ENGINE_QUEUED = "engine.queued"
@@ -166,9 +168,10 @@ ENGINE_CACHE_HIT = "engine.cache_hit_rate"
 ENGINE_TTFT_P50 = "engine.ttft_p50_s"
 HOST_MODELS_FREE = "host.models_free_bytes"
 HOST_MEMORY_AVAILABLE = "host.memory_available_bytes"
-SAMPLE_NAMES = (GPU_TEMPERATURE, GPU_POWER, GPU_UTILIZATION, GPU_MEMORY_USED, ENGINE_TOKEN_USAGE,
-                ENGINE_THROUGHPUT, ENGINE_RUNNING, ENGINE_QUEUED, ENGINE_CACHE_HIT,
-                ENGINE_TTFT_P50, HOST_MODELS_FREE, HOST_MEMORY_AVAILABLE)  # every one of them
+SAMPLE_NAMES = (  # every one of them
+    GPU_TEMPERATURE, GPU_POWER, GPU_UTILIZATION, GPU_MEMORY_USED, ENGINE_TOKEN_USAGE,
+    ENGINE_STATE_USAGE, ENGINE_THROUGHPUT, ENGINE_RUNNING, ENGINE_QUEUED, ENGINE_CACHE_HIT,
+    ENGINE_TTFT_P50, HOST_MODELS_FREE, HOST_MEMORY_AVAILABLE)
 
 
 @dataclass(frozen=True)
