@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test lint typecheck unit clean
+.PHONY: demo test lint typecheck unit clean bundle
 
 $(BIN)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11 or newer is needed (found " + sys.version.split()[0] + "); set PYTHON=python3.11")'
@@ -20,13 +20,17 @@ demo: $(BIN)/.installed
 test: lint typecheck unit
 
 lint: $(BIN)/.installed
-	$(BIN)/ruff check appliance migrations tests benchmarks
+	$(BIN)/ruff check appliance migrations tests benchmarks installer
 
 typecheck: $(BIN)/.installed
 	$(BIN)/mypy
 
 unit: $(BIN)/.installed
 	$(BIN)/pytest -q
+
+## bundle: the offline install tarball in dist/ (with the wheelhouse; build it on a box like the target)
+bundle:
+	installer/build-bundle.sh --python $(PYTHON)
 
 clean:
 	rm -rf $(VENV) .appliance .mypy_cache .ruff_cache .pytest_cache

@@ -518,3 +518,43 @@ def test_launch_spec_falls_back_to_the_table(tmp_path: Path) -> None:
             "--mem-fraction-statc: unknown flag; did you mean --mem-fraction-static?")
         assert "set by the operator layer: fix it in engine.extra_args" in problem.hint
     assert validate_launch_spec(spec(speculative=True), None).ok
+
+
+# --------------------------------------------------------------------------- program path
+
+
+def test_the_program_is_named_by_its_resolved_directory(tmp_path: Path) -> None:
+    # The installer's layout: /opt/appliance/engine -> engines/sglang-<pin>. A venv reached
+    # through that link would take its sys.path from the link, so the spec names the target.
+    real = tmp_path / "engines" / "sglang-0.5.23"
+    (real / "bin").mkdir(parents=True)
+    (real / "bin" / "sglang").write_text("#!/bin/sh\n")
+    (tmp_path / "engine").symlink_to(real)
+    linked = str(tmp_path / "engine" / "bin" / "sglang")
+    built = build_launch_spec((linked, "--x"), inputs())
+    assert built.command == (str(real / "bin" / "sglang"), "--x")
+    assert built.argv()[0] == str(real / "bin" / "sglang")
+    # the hash covers what runs: same as a spec built from the real path, and it round-trips
+    assert built.spec_hash == build_launch_spec((str(real / "bin" / "sglang"), "--x"),
+                                                inputs()).spec_hash
+    assert LaunchSpec.from_json(built.to_json()) == built
+    # a new pin behind the same link is a different engine
+    newer = tmp_path / "engines" / "sglang-0.6.0"
+    (newer / "bin").mkdir(parents=True)
+    (newer / "bin" / "sglang").write_text("#!/bin/sh\n")
+    (tmp_path / "engine").unlink()
+    (tmp_path / "engine").symlink_to(newer)
+    assert build_launch_spec((linked, "--x"), inputs()).spec_hash != built.spec_hash
+
+
+def test_the_program_itself_is_not_followed(tmp_path: Path) -> None:
+    # A venv's bin/python links to the base interpreter; following it would leave the venv.
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    python = tmp_path / "venv" / "bin" / "python"
+    python.symlink_to(sys.executable)
+    assert build_launch_spec((str(python),), inputs()).command == (str(python),)
+
+
+@pytest.mark.parametrize("program", ["sglang", "/nonexistent/bin/sglang"])
+def test_a_relative_or_missing_program_is_kept_as_given(program: str) -> None:
+    assert build_launch_spec((program,), inputs()).command == (program,)

@@ -46,6 +46,7 @@ import dataclasses
 import enum
 import hashlib
 import json
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -274,15 +275,34 @@ def default_args(inputs: LaunchInputs) -> list[tuple[str, str | None]]:
     return pairs
 
 
+def resolve_program(program: str) -> str:
+    """`program` with the symlinks in its directory resolved, when it is an existing absolute path.
+
+    The installer points `/opt/appliance/engine` at the engine venv of the current SGLang pin
+    (`/opt/appliance/engines/sglang-<version>`). A venv entered through a symlinked directory
+    takes its `sys.path` from that unresolved path, so a running engine would import from
+    whatever the link points at later. The spec names the real directory instead: flipping the
+    link never changes a running engine, and a new pin gives a new spec hash. The last
+    component is kept as it is: a venv's `bin/python` is itself a link to the base interpreter,
+    and following it would leave the venv.
+    """
+    path = Path(program)
+    if not path.is_absolute() or not path.exists():
+        return program
+    return str(Path(os.path.realpath(path.parent)) / path.name)
+
+
 def build_launch_spec(command: Sequence[str], inputs: LaunchInputs) -> LaunchSpec:
     """The launch spec for `command` (the program and its leading arguments, from the config).
 
     Layers apply in order default, profile, tuning, operator; a later layer's value for a flag
     replaces the earlier one in place (the flag keeps its position) and the note records what
-    it replaced. Flags new to the argv are appended in the order they were given.
+    it replaced. Flags new to the argv are appended in the order they were given. The one
+    look at the filesystem: the program's directory is resolved (`resolve_program`).
     """
     if not command or not command[0]:
         raise ValueError("engine command is empty: set engine.command to the sglang program")
+    command = (resolve_program(command[0]), *command[1:])
     args: list[ArgSource] = []
     replaced: dict[str, list[ArgSource]] = {}
     layers: list[tuple[Origin, Sequence[tuple[str, tuple[str, ...]]]]] = [
