@@ -267,7 +267,8 @@ class GpuConfig:
 
     expected_count: int = _key(8, _nonnegative, "GPUs the engine needs")
     expected_model: str = _key("B300", doc="text every GPU's name must contain")
-    min_driver_version: str = _key("580", _version, "oldest NVIDIA driver accepted (dotted)")
+    min_driver_version: str = _key("580.65.06", _version,
+                                  "oldest NVIDIA driver accepted (dotted; CUDA 13 needs 580.65.06)")
     temperature_warn_c: int = _key(85, _positive, "GPU temperature that is a warning")
     temperature_critical_c: int = _key(92, _positive, "GPU temperature that is critical")
 
