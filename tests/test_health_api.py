@@ -11,7 +11,9 @@ the overall status), and each bad input refused with a clear 4xx that changes no
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -105,13 +107,7 @@ def runtime(config: Config, db: Database, clock: FakeClock, gpus: FakeGpus) -> R
 
 @pytest.fixture
 def server(runtime: Runtime) -> Iterator[LiveServer]:
-    """The live server, with the health routes (until app.py registers them itself)."""
     live = LiveServer(runtime)
-    app = live.server.config.app
-    if not any(route.path.startswith(API) for route in app.routes):
-        from appliance.api.health import health_router
-
-        app.register(health_router())
     live.start()
     yield live
     live.stop()
@@ -301,3 +297,29 @@ def test_unsafe_methods_need_the_csrf_header(checked: Console, runtime: Runtime)
                                                        "minutes": 60})
     assert response.status_code == 403
     assert mutes(runtime) == []
+
+
+def test_a_hung_nvml_never_stops_the_daemon_answering(logged_in: Console, runtime: Runtime,
+                                                      gpus: FakeGpus) -> None:
+    """Fault case 9 (an NVML call that hangs), over real HTTP: while "check now" waits on a
+    hung GPU read, the console, the API and /healthz keep answering; the check returns once
+    NVML does (or, after health.nvml_timeout_seconds, with gpu.nvml CRITICAL: see the
+    monitor's tests)."""
+    runtime.health.config = dataclasses.replace(runtime.config, health=dataclasses.replace(
+        runtime.config.health, nvml_timeout_seconds=600))
+    gpus.hang()
+    outcome: list[httpx.Response] = []
+    # A client of its own (same session): httpx clients are not shared across threads.
+    other = httpx.Client(base_url=str(logged_in.http.base_url), cookies=logged_in.http.cookies)
+    check_now = threading.Thread(target=lambda: outcome.append(
+        other.post(f"{API}/check", headers=csrf(logged_in), timeout=120)))
+    check_now.start()
+    try:
+        for path in ("/healthz", API, "/health", "/"):
+            assert logged_in.http.get(path).status_code == 200, path
+        assert check_now.is_alive()  # the hung read is still in flight: it held nothing up
+    finally:
+        gpus.unhang()
+        check_now.join(timeout=60)
+        other.close()
+    assert outcome and outcome[0].status_code == 200
