@@ -128,7 +128,8 @@ def test_the_wrong_model_is_critical() -> None:
 
 
 @pytest.mark.parametrize(("driver", "level"), [
-    ("580.95.05", Level.OK), ("580.65.06", Level.OK), ("580.65.05", Level.CRITICAL), ("590.1", Level.OK),
+    ("580.95.05", Level.OK), ("580.65.06", Level.OK), ("580.65.05", Level.CRITICAL),
+    ("590.1", Level.OK),
     ("575.57.08", Level.CRITICAL), ("535.261.03", Level.CRITICAL), ("beta-1", Level.WARN),
 ])
 def test_the_driver_version_against_the_minimum(driver: str, level: Level) -> None:

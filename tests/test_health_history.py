@@ -95,6 +95,12 @@ def test_series_uses_fine_samples_recently_and_hourly_rollups_before(db: Databas
     # A window inside the fine part has fine samples only.
     recent = db.call(lambda s: history.series(s, TEMP, "3", now - dt.timedelta(hours=1), now))
     assert len(recent) == 6
+    # The dashboard reads its series in one query: the same points, per series.
+    hour = now - dt.timedelta(hours=1)
+    many = db.call(lambda s: history.recent_series(
+        s, [(TEMP, "3"), (TEMP, "4"), (TEMP, "9")], hour, now))
+    assert many[(TEMP, "3")] == recent
+    assert {v for _, v in many[(TEMP, "4")]} == {99.0} and many[(TEMP, "9")] == []
 
 
 def test_rolling_up_twice_changes_nothing(db: Database) -> None:

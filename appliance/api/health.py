@@ -36,7 +36,14 @@ from appliance.errors import ApplianceError
 from appliance.gpu.port import GpuSnapshot
 from appliance.health import model
 from appliance.health.dashboard_views import wanted_series
-from appliance.health.history import MuteView, TransitionView, mutes, series, transitions
+from appliance.health.history import (
+    MuteView,
+    TransitionView,
+    mutes,
+    recent_series,
+    series,
+    transitions,
+)
 from appliance.health.model import EngineFigures, HealthSnapshot, HostFigures
 from appliance.health.sparkline import Point
 from appliance.health.views import active_mutes
@@ -162,7 +169,7 @@ async def load_board(runtime: Runtime, *, changes: int = 0, hour: bool = False) 
         return Board(now, snapshot, active_mutes(mutes(s, now), now),
                      transitions(s, None, now - dt.timedelta(days=31), changes) if changes
                      else [],
-                     {key: series(s, key[0], key[1], since, now) for key in wanted})
+                     recent_series(s, wanted, since, now))
 
     board: Board = await runtime.db.run(read)
     return board
