@@ -157,6 +157,15 @@ def test_load_warns_over_twice_the_cpus() -> None:
     assert by_id(dataclasses.replace(busy, load1=8.0))["host.load"][0] is Level.OK
 
 
+def test_load_is_judged_over_five_minutes_when_known() -> None:
+    """A busy minute is no finding (it would warn and recover again and again)."""
+    spike = dataclasses.replace(roomy_host(), load1=9.5, load5=3.0, cpu_count=4)
+    level, summary, _ = by_id(spike)["host.load"]
+    assert level is Level.OK and "3.0 over 5 minutes" in summary
+    sustained = dataclasses.replace(spike, load5=8.5)
+    assert by_id(sustained)["host.load"][0] is Level.WARN
+
+
 def test_daemon_memory_warns_over_the_line() -> None:
     fat = dataclasses.replace(roomy_host(), daemon_rss_bytes=3000 * MIB)
     level, summary, hint = by_id(fat)["host.daemon_memory"]

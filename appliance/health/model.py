@@ -113,6 +113,7 @@ class HostFigures:
     load1: float
     cpu_count: int
     daemon_rss_bytes: int
+    load5: float | None = None  # the check judges this one: a one-minute spike is no finding
 
 
 # --- snapshots -------------------------------------------------------------------------------
