@@ -397,3 +397,16 @@ def test_run_records_every_phase_in_order(engine_box: LiveServer, session: Conso
     assert phases[:phases.index("ready") + 1] == [p for p in start if p in phases], phases
     assert phases[-3:] == ["ready", "draining", "stopping"], phases
     assert run["state"] == "stopping", run
+
+
+def test_the_cli_says_a_queued_command_is_queued_not_done() -> None:
+    """The API answers as soon as a command is queued: the CLI must not present the state the
+    command found (a failed preflight from before, say) as its outcome."""
+    from appliance.engine.cli import describe_status
+
+    text = describe_status({"state": "stopped", "message": "preflight failed: port held",
+                            "pending": "start", "reason": "preflight", "hint": "free it"})
+    assert text.splitlines()[0].startswith("requested: start (queued")
+    assert "engine: stopped" in text
+    assert "requested" not in describe_status({"state": "ready", "message": "ready",
+                                               "pending": None})

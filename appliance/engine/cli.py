@@ -183,6 +183,11 @@ def checked(response: httpx.Response, code: str = "engine_api") -> dict[str, Any
 
 def describe_status(status: dict[str, Any]) -> str:
     lines = [f"engine: {status['state'].replace('_', ' ')} — {status['message']}"]
+    if status.get("pending"):
+        # The API answers as soon as the command is queued: what follows is the state the
+        # command found, not its outcome (`appliance engine status` shows that).
+        lines.insert(0, f"requested: {status['pending']} (queued; follow it with "
+                        "`appliance engine status`)")
     if status.get("scheduled"):
         planned = status["scheduled"]
         lines.append(f"scheduled: {planned['command']} at {planned['run_at']} "
