@@ -26,6 +26,7 @@ from sqlalchemy import create_engine, text
 
 from appliance.app import create_app
 from appliance.auth.accounts import create_admin
+from appliance.auth.middleware import CSRF_COOKIE
 from appliance.config import Config, load_config
 from appliance.db.database import Database
 from appliance.db.schema import migrate
@@ -171,6 +172,21 @@ class Console:
 
     def close(self) -> None:
         self.http.close()
+
+
+def csrf(console: Console) -> dict[str, str]:
+    """The header an API call made with a console session needs (double-submit cookie)."""
+    return {"X-CSRF-Token": console.http.cookies[CSRF_COOKIE]}
+
+
+def problem(response: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
+    """The problem+json body of a refusal, after checking its status and code."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    body: dict[str, Any] = response.json()
+    if code is not None:
+        assert body["code"] == code, body
+    return body
 
 
 @pytest.fixture

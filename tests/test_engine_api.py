@@ -24,7 +24,6 @@ from typing import Any
 import httpx
 import pytest
 
-from appliance.auth.middleware import CSRF_COOKIE
 from appliance.clock import SystemClock
 from appliance.db.database import Database
 from appliance.db.schema import migrate
@@ -33,7 +32,7 @@ from appliance.engine.runner import EngineIdentity
 from appliance.resources import migrations_dir
 from appliance.runtime import Runtime, build_runtime
 from appliance.testing.fake_gpus import FakeGpus
-from tests.conftest import Console, LiveServer, add_admin
+from tests.conftest import Console, LiveServer, add_admin, csrf
 from tests.test_engine_lifecycle import engine_config, group_gone, prove_weights
 
 DEADLINE = 90.0  # any single wait, on a loaded 2-core CI box
@@ -107,10 +106,6 @@ def session(engine_box: LiveServer) -> Iterator[Console]:
 
 
 # --- helpers ---------------------------------------------------------------------------------
-
-
-def csrf(console: Console) -> dict[str, str]:
-    return {"X-CSRF-Token": console.http.cookies[CSRF_COOKIE]}
 
 
 def post_action(console: Console, action: str, **body: Any) -> httpx.Response:

@@ -39,9 +39,8 @@ from appliance.health.monitor import HealthMonitor
 from appliance.runtime import Runtime, build_runtime
 from appliance.testing.clock import FakeClock
 from appliance.testing.fake_gpus import FakeGpus
-from tests.conftest import Console, LiveServer
+from tests.conftest import Console, LiveServer, csrf, problem
 from tests.test_health_host import roomy_host
-from tests.test_keys_api import csrf, problem
 
 API = "/api/v1/health"
 GIB = 1 << 30

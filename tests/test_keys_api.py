@@ -18,24 +18,19 @@ import pytest
 from sqlalchemy import func, select
 
 from appliance.api.keys import parse_expiry, parse_when
-from appliance.auth.middleware import CSRF_COOKIE
 from appliance.db.journal import list_audit
 from appliance.db.models import GatewayKey
 from appliance.errors import ApplianceError
 from appliance.gateway.keys import KEY_RE, load_entries
 from appliance.runtime import Runtime
 from appliance.testing.clock import FakeClock
-from tests.conftest import Console, LiveServer
+from tests.conftest import Console, LiveServer, csrf, problem
 
 API = "/api/v1/keys"
 RECORD_KEYS = {"id", "name", "owner", "prefix", "status", "created_at", "created_by",
                "last_used_at", "expires_at", "revoked_at", "revoked_by", "limits"}
 NO_LIMITS = {"max_concurrency": None, "requests_per_minute": None, "tokens_per_day": None,
              "max_tokens": None}
-
-
-def csrf(console: Console) -> dict[str, str]:
-    return {"X-CSRF-Token": console.http.cookies[CSRF_COOKIE]}
 
 
 def create(console: Console, **body: Any) -> httpx.Response:
@@ -47,15 +42,6 @@ def created(console: Console, **body: Any) -> dict[str, Any]:
     assert response.status_code == 201, response.text
     answer: dict[str, Any] = response.json()
     return answer
-
-
-def problem(response: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/problem+json")
-    body: dict[str, Any] = response.json()
-    if code is not None:
-        assert body["code"] == code, body
-    return body
 
 
 def audit_trail(runtime: Runtime) -> list[tuple[str, str, str, dict[str, Any]]]:

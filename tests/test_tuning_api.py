@@ -24,10 +24,9 @@ from appliance.config import Config
 from appliance.engine.args import model_dir
 from appliance.runtime import Runtime
 from appliance.testing.checkpoint import k3_config
-from tests.conftest import Console, LiveServer, add_admin
+from tests.conftest import Console, LiveServer, add_admin, csrf, problem
 from tests.test_engine_api import (
     audit,
-    csrf,
     engine_server,
     new_token,
     wait_state,
@@ -59,14 +58,6 @@ def api(k3: Path, logged_in: Console) -> Console:
 
 def post(console: Console, path: str, body: dict[str, Any]) -> httpx.Response:
     return console.http.post(f"{API}{path}", json=body, headers=csrf(console))
-
-
-def problem(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/problem+json")
-    body: dict[str, Any] = response.json()
-    assert body["code"] == code, body
-    return body
 
 
 def trail(console: Console, action: str) -> list[tuple[str, str, str, dict[str, Any]]]:

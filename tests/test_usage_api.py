@@ -23,7 +23,7 @@ import pytest
 from appliance.gateway import keys
 from appliance.gateway.usage import UsageRecord, write_batch
 from appliance.runtime import Runtime
-from tests.conftest import Console, LiveServer
+from tests.conftest import Console, LiveServer, problem
 from tests.test_engine_api import new_token
 
 API = "/api/v1/usage"
@@ -84,14 +84,6 @@ def data(runtime: Runtime) -> Seeded:
 
 def get(console: Console, path: str = "/", **params: str) -> httpx.Response:
     return console.http.get(f"{API}{path}", params=params)
-
-
-def problem(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/problem+json")
-    body: dict[str, Any] = response.json()
-    assert body["code"] == code, body
-    return body
 
 
 def rows_of(response: httpx.Response) -> list[dict[str, str]]:
