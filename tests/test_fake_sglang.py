@@ -115,6 +115,12 @@ class Emulator:
     def children(self) -> list[psutil.Process]:
         return psutil.Process(self.proc.pid).children()
 
+    def stop_cleanly(self) -> None:
+        """SIGTERM, as a stop does: the emulator exits 0 and leaves no process behind."""
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.wait_exit() == 0
+        assert wait_for(lambda: group_gone(self.pgid), "the process group to go")
+
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pgid, signal.SIGKILL)
@@ -196,9 +202,7 @@ def ready(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator
         assert refused(emu.port)  # SGLang binds only when every rank is ready
         emu.wait_ready()
         yield emu
-        emu.proc.send_signal(signal.SIGTERM)
-        assert emu.wait_exit() == 0
-        assert wait_for(lambda: group_gone(emu.pgid), "the process group to go")
+        emu.stop_cleanly()
     finally:
         emu.kill()
 

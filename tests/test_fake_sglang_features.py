@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import signal
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +27,7 @@ from appliance.testing.fake_sglang.answer import Script, reasoning_tokens
 from appliance.testing.fake_sglang.prefixcache import PrefixCache
 from appliance.testing.fake_sglang.tools import Call, arguments
 from tests.conftest import wait_for
-from tests.test_fake_sglang import Emulator, group_gone, small_model
+from tests.test_fake_sglang import Emulator, small_model
 
 KEY = "sk-emulator-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -54,9 +53,7 @@ def running(root: Path, *flags: str) -> Iterator[Emulator]:
     try:
         emu.wait_ready()
         yield emu
-        emu.proc.send_signal(signal.SIGTERM)
-        assert emu.wait_exit() == 0
-        assert wait_for(lambda: group_gone(emu.pgid), "the process group to go")
+        emu.stop_cleanly()
     finally:
         emu.kill()
 
