@@ -59,6 +59,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from profiling import profile_group  # beside this script
+
 from appliance.clock import SystemClock
 from appliance.config import load_config
 from appliance.db.database import Database
@@ -230,28 +232,13 @@ def run_appliance(hub: Hub, root: Path, parallel: int,
     return run, service.dir_for(REPO)
 
 
-def profile_group(filename: str, function: str) -> str:
-    """Where a profiled function belongs: a package, asyncio, an appliance module, or the
-    built-in it is (the epoll wait is the loop's idle time)."""
-    if filename == "~":
-        if "poll" in function:
-            return "epoll wait (the loop idle)"
-        return "built-in " + function.strip("{}<>").replace("method ", "").split(" of ")[0]
-    path = Path(filename)
-    if "site-packages" in path.parts:
-        return path.parts[path.parts.index("site-packages") + 1]
-    if "appliance" in path.parts:
-        return ".".join(path.parts[path.parts.index("appliance"):]).removesuffix(".py")
-    return path.parent.name if path.parent.name == "asyncio" else path.name
-
-
 def show_profile(profiler: cProfile.Profile, limit: int) -> None:
     stats = pstats.Stats(profiler)
     raw: dict[tuple[str, int, str], tuple[int, int, float, float, object]] = (
         stats.stats)  # type: ignore[attr-defined]
     groups: dict[str, float] = {}
     for (filename, _, function), (_, _, own, _, _) in raw.items():
-        group = profile_group(filename, function)
+        group = profile_group(filename, function, idle_label="epoll wait (the loop idle)")
         groups[group] = groups.get(group, 0.0) + own
     whole = sum(groups.values())
     print(f"\ncProfile of one more appliance pull: event-loop thread, {whole:.2f} s, own "

@@ -82,6 +82,7 @@ import aiohttp
 import msgspec
 import psutil
 import uvloop
+from profiling import profile_group  # beside this script
 
 from appliance.clock import SystemClock
 from appliance.config import load_config
@@ -708,19 +709,6 @@ def print_targets(cells: list[Cell], memory: dict[str, Memory]) -> None:
 
 
 # --- profile ----------------------------------------------------------------------------------
-
-
-def profile_group(filename: str, function: str) -> str:
-    if filename == "~":
-        if "poll" in function or "run_once" in function:
-            return "loop: " + function.strip("{}<>").split(" of ")[0]
-        return "built-in " + function.strip("{}<>").replace("method ", "").split(" of ")[0]
-    path = Path(filename)
-    if "site-packages" in path.parts:
-        return path.parts[path.parts.index("site-packages") + 1]
-    if "appliance" in path.parts:
-        return ".".join(path.parts[path.parts.index("appliance"):]).removesuffix(".py")
-    return path.parent.name if path.parent.name == "asyncio" else path.name
 
 
 def show_profile(profile: Path, requests: int, limit: int = 25) -> None:
