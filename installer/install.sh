@@ -869,14 +869,7 @@ system_files() {
   local unit
   for unit in "$DAEMON" "$GATEWAY" "$ENGINE"; do
     install_file "$src/$unit" "$UNIT_DIR/$unit" 0644 root root
-    if ((WROTE)); then
-      UNITS_CHANGED=1
-      case $unit in
-        "$DAEMON") DAEMON_UNIT_CHANGED=1 ;;
-        "$GATEWAY") GATEWAY_UNIT_CHANGED=1 ;;
-        "$ENGINE") ENGINE_UNIT_CHANGED=1 ;;
-      esac
-    fi
+    if ((WROTE)); then unit_written "$unit"; fi
   done
   # vendor drop-ins shipped in systemd/<unit>.d/ (operators' own live in /etc/systemd/system)
   local dropin
@@ -884,16 +877,18 @@ system_files() {
     [[ -e $dropin ]] || continue
     unit=$(basename "$(dirname "$dropin")")
     install_file "$dropin" "$UNIT_DIR/$unit/$(basename "$dropin")" 0644 root root
-    if ((WROTE)); then
-      UNITS_CHANGED=1
-      case $unit in
-        "$DAEMON.d") DAEMON_UNIT_CHANGED=1 ;;
-        "$GATEWAY.d") GATEWAY_UNIT_CHANGED=1 ;;
-        "$ENGINE.d") ENGINE_UNIT_CHANGED=1 ;;
-      esac
-    fi
+    if ((WROTE)); then unit_written "$unit"; fi
   done
   install_file "$src/50-appliance-engine.rules" "$POLKIT" 0644 root root
+}
+
+unit_written() {  # unit_written UNIT|UNIT.d: a unit file or one of its vendor drop-ins changed
+  UNITS_CHANGED=1
+  case ${1%.d} in
+    "$DAEMON") DAEMON_UNIT_CHANGED=1 ;;
+    "$GATEWAY") GATEWAY_UNIT_CHANGED=1 ;;
+    "$ENGINE") ENGINE_UNIT_CHANGED=1 ;;
+  esac
 }
 
 configuration() {
