@@ -25,9 +25,8 @@ import psutil
 
 from appliance.config import Config
 from appliance.gpu.port import GpuPort, GpuSnapshot, snapshot_with_timeout
+from appliance.sizes import GIB, gib_text
 from appliance.volumes import disk_space
-
-GIB = 1 << 30
 
 # /dev/shm holds NCCL's and SGLang's inter-process buffers for TP8. Bare metal gives it half
 # of RAM (1.5 TiB here); it is small only where someone limited it (a container's 64 MiB
@@ -113,10 +112,6 @@ def blocking(checks: Iterable[Check]) -> list[Check]:
     return [check for check in checks if not check.ok and check.severity == "error"]
 
 
-def _gib(n: int) -> str:
-    return f"{n / GIB:.1f} GiB"
-
-
 def _gpu_checks(facts: PreflightFacts, config: Config) -> list[Check]:
     snap, expected = facts.gpus, config.gpu.expected_count
     if snap.error is not None:
@@ -184,7 +179,7 @@ def _processes_check(facts: PreflightFacts) -> Check:
     for pid, where in sorted(held.items()):
         label = f"pid {pid}" + (f" ({names[pid]})" if names[pid] else "")
         total = sum(b for _, b in where)
-        amount = _gib(total) if total else "memory not reported"
+        amount = gib_text(total) if total else "memory not reported"
         gpus = ", ".join(str(i) for i, _ in where)
         parts.append(f"{label} on GPU {gpus} ({amount})")
     pids = " ".join(str(pid) for pid in sorted(held))
@@ -202,8 +197,8 @@ def _memory_check(facts: PreflightFacts) -> Check:
             continue
         unexplained = gpu.memory_used_bytes - sum(p.used_bytes for p in gpu.processes)
         if unexplained > UNEXPLAINED_GPU_BYTES:
-            odd.append(f"GPU {gpu.index}: {_gib(gpu.memory_used_bytes)} in use, "
-                       f"{_gib(unexplained)} by no listed process")
+            odd.append(f"GPU {gpu.index}: {gib_text(gpu.memory_used_bytes)} in use, "
+                       f"{gib_text(unexplained)} by no listed process")
     if not odd:
         return Check("gpu_memory", True, "warning", "GPU memory is free")
     return Check(
@@ -286,9 +281,9 @@ def _shm_check(facts: PreflightFacts) -> Check:
         return Check("shm", False, "warning", f"{SHM} could not be read", fix)
     if free < MIN_SHM_FREE_BYTES:
         return Check("shm", False, "warning",
-                     f"{SHM} has {_gib(free)} free of {_gib(total)}, below the "
-                     f"{_gib(MIN_SHM_FREE_BYTES)} the engine should have", fix)
-    return Check("shm", True, "warning", f"{SHM} has {_gib(free)} free")
+                     f"{SHM} has {gib_text(free)} free of {gib_text(total)}, below the "
+                     f"{gib_text(MIN_SHM_FREE_BYTES)} the engine should have", fix)
+    return Check("shm", True, "warning", f"{SHM} has {gib_text(free)} free")
 
 
 def _models_volume_check(facts: PreflightFacts) -> Check:
@@ -299,8 +294,8 @@ def _models_volume_check(facts: PreflightFacts) -> Check:
                      f"free space on the volume of {facts.model_dir} could not be read", fix)
     if free < MIN_MODELS_FREE_BYTES:
         return Check("models_volume", False, "warning",
-                     f"the models volume has only {_gib(free)} free", fix)
-    return Check("models_volume", True, "warning", f"the models volume has {_gib(free)} free")
+                     f"the models volume has only {gib_text(free)} free", fix)
+    return Check("models_volume", True, "warning", f"the models volume has {gib_text(free)} free")
 
 
 # --- the IO shell -----------------------------------------------------------------------------

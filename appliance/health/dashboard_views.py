@@ -33,7 +33,6 @@ from appliance.health.model import (
 from appliance.health.sparkline import Box, Point, Spark, render_sparkline
 from appliance.health.views import (
     DASH,
-    GIB,
     Overall,
     check_rows,
     gib,
@@ -42,6 +41,7 @@ from appliance.health.views import (
     seconds,
     share,
 )
+from appliance.sizes import GIB
 
 _GPU_CHECK = re.compile(r"gpu\.(\d+)\.(.+)")
 # A per-GPU check marks the table cell of its own name ("gpu.3.power"), or the one named here.

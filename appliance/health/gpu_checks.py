@@ -26,8 +26,9 @@ from collections.abc import Collection
 
 from appliance.config import GpuConfig
 from appliance.gpu.port import FABRIC_COMPLETED, FABRIC_IN_PROGRESS, FABRIC_NOT_STARTED, GpuSnapshot
-from appliance.health.gpu_each import Finding, gib, label, per_gpu_checks, verdict
+from appliance.health.gpu_each import Finding, label, per_gpu_checks, verdict
 from appliance.health.model import CheckResult, Level
+from appliance.sizes import gib_text
 
 
 def gpu_checks(snapshot: GpuSnapshot, gpu: GpuConfig, previous: GpuSnapshot | None,
@@ -166,7 +167,7 @@ def _processes(snapshot: GpuSnapshot, own_pids: Collection[int] | None) -> Check
         total = sum(b for _, b in where)
         parts.append(f"pid {pid}" + (f" ({names[pid]})" if names[pid] else "")
                      + f" on GPU {', '.join(str(i) for i, _ in where)} "
-                     f"({gib(total) if total else 'memory not reported'})")
+                     f"({gib_text(total) if total else 'memory not reported'})")
     if own_pids is None:
         listing = "; ".join(parts) if parts else "none"
         return verdict("gpu.processes", "GPU processes", (), f"compute processes: {listing}")

@@ -19,8 +19,8 @@ from appliance.gpu.port import (
 )
 from appliance.health.model import CheckResult, Level
 from appliance.health.xids import xid_meaning
+from appliance.sizes import gib_text
 
-GIB = 1 << 30
 # An enforced power limit this far below the board's default is someone's cap, not rounding.
 POWER_CAP_RATIO = 0.95
 
@@ -63,10 +63,6 @@ def verdict(check_id: str, title: str, findings: Iterable[Finding],
                        "; ".join(f.summary for f in failing), "; ".join(hints))
 
 
-def gib(n: int) -> str:
-    return f"{n / GIB:.1f} GiB"
-
-
 def label(info: GpuInfo) -> str:
     return f"GPU {info.index}" + (f" ({info.pci_bus_id})" if info.pci_bus_id else "")
 
@@ -81,8 +77,8 @@ def per_gpu_checks(info: GpuInfo, gpu: GpuConfig, before: GpuInfo | None) -> lis
             Level.CRITICAL, f"{label(info)} does not answer: {info.error}", info.hint)], "")]
     return [
         verdict(f"{prefix}.responding", name, (),
-                f"{label(info)} answers ({gib(info.memory_used_bytes)} of "
-                f"{gib(info.memory_total_bytes)} in use)"),
+                f"{label(info)} answers ({gib_text(info.memory_used_bytes)} of "
+                f"{gib_text(info.memory_total_bytes)} in use)"),
         _temperature(info, gpu),
         _power(info),
         _memory_errors(info, before),

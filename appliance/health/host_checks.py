@@ -23,10 +23,10 @@ import psutil
 
 from appliance.config import HealthConfig, PathsConfig
 from appliance.health.model import CheckResult, HostFigures, Level
+from appliance.sizes import GIB, gib_text
 from appliance.volumes import disk_space
 
 GROUP = "host"
-GIB = 1 << 30
 MIB = 1 << 20
 SHM_PATH = "/dev/shm"  # noqa: S108 - measured with statvfs, never written to
 SHM = Path(SHM_PATH)
@@ -50,10 +50,6 @@ def read_host(paths: PathsConfig, now: dt.datetime, *, shm: Path = SHM) -> HostF
         memory_available_bytes=memory.available, memory_total_bytes=memory.total,
         load1=load1, cpu_count=psutil.cpu_count() or 1,
         daemon_rss_bytes=psutil.Process().memory_info().rss, load5=load5)
-
-
-def _gib(value: int) -> str:
-    return f"{value / GIB:,.1f} GiB"
 
 
 def _share(part: int, whole: int | None) -> str:
@@ -80,7 +76,8 @@ def _disk(check_id: str, title: str, name: str, free: int | None, total: int | N
         return _result(check_id, title, Level.WARN, f"the {name} volume could not be read",
                        "check that the directory in the configuration exists and that the "
                        "appliance user may read it")
-    summary = f"the {name} volume has {_gib(free)} free of {_gib(total or 0)}{_share(free, total)}"
+    summary = (f"the {name} volume has {gib_text(free)} free of {gib_text(total or 0)}"
+               f"{_share(free, total)}")
     if free < critical_gib * GIB:
         return _result(check_id, title, Level.CRITICAL,
                        f"{summary}, under the {critical_gib} GiB critical line", hint)
@@ -93,7 +90,7 @@ def _disk(check_id: str, title: str, name: str, free: int | None, total: int | N
 def _memory(figures: HostFigures, health: HealthConfig) -> CheckResult:
     total = figures.memory_total_bytes
     percent = 100 * figures.memory_available_bytes / total if total else 100.0
-    summary = (f"{_gib(figures.memory_available_bytes)} of {_gib(total)} RAM available "
+    summary = (f"{gib_text(figures.memory_available_bytes)} of {gib_text(total)} RAM available "
                f"({percent:.1f}%)")
     limit = health.memory_available_warn_percent
     return _warn_line(
@@ -110,7 +107,7 @@ def _shm(figures: HostFigures, health: HealthConfig) -> CheckResult:
                        "there is no readable /dev/shm on this host",
                        "SGLang's processes and NCCL share memory through /dev/shm: mount it "
                        "(tmpfs) before starting the engine")
-    summary = f"{SHM_PATH} has {_gib(free)} free of {_gib(total or 0)}"
+    summary = f"{SHM_PATH} has {gib_text(free)} free of {gib_text(total or 0)}"
     limit = health.shm_free_warn_gib
     return _warn_line(
         "host.shm", "Shared memory", summary, crossed=free < limit * GIB,

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 from appliance.health.history import MuteView, TransitionView
 from appliance.health.model import GROUPS, HealthSnapshot, Level
+from appliance.sizes import gib_text
 
 GROUP_TITLES = {"gpu": "GPUs", "engine": "Engine", "host": "Host"}
 DASH = "—"
-GIB = 1 << 30
 
 
 # --- formatting -----------------------------------------------------------------------------
@@ -49,7 +49,7 @@ def seconds(value: float | None) -> str:
 
 
 def gib(value: int | None) -> str:
-    return DASH if value is None else f"{value / GIB:,.1f} GiB"
+    return DASH if value is None else gib_text(value)
 
 
 # --- checks ---------------------------------------------------------------------------------
