@@ -384,8 +384,14 @@ def test_run_records_every_phase_in_order(engine_box: LiveServer, session: Conso
     wait_state(session.http, "ready")
     assert post_action(session, "stop", confirm=True).status_code == 202
     wait_state(session.http, "stopped")
-    time.sleep(0.5)  # phase writes run in order but after the state is shown
-    run = session.http.get(f"{ENGINE}/runs").json()[0]
+
+    def last_run() -> dict[str, Any]:
+        return dict(session.http.get(f"{ENGINE}/runs").json()[0])
+
+    # phase writes run in order but may land after the state is shown
+    wait_until(lambda: [p[0] for p in last_run()["phases"]][-1:] == ["stopping"],
+               "the stopping phase recorded")
+    run = last_run()
     phases = [p[0] for p in run["phases"]]
     start = ["launching", "loading_weights", "allocating", "capturing_graphs", "warming",
              "ready"]

@@ -21,7 +21,11 @@ def test_changes_are_written_coalesced_and_the_newest_wins(db: Database,
         for percent in range(11, 60):  # a moving bar: many changes, few writes
             publisher.listen(EngineStatus(state=EngineState.LOADING_WEIGHTS,
                                           message=f"{percent}%", eta_seconds=1800.0))
-        await asyncio.sleep(0.2)
+        for _ in range(500):  # the 0.05 s tick writes the latest; a loaded box may lag
+            published = db.call(read_published)
+            if published is not None and published.message == "59%":
+                break
+            await asyncio.sleep(0.02)
         published = db.call(read_published)
         assert published is not None
         assert (published.state, published.message, published.eta_seconds) == \
