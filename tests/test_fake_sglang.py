@@ -442,6 +442,56 @@ def test_sigterm_while_loading_kills_at_once(model_dir: Path, tmp_path: Path) ->
         emu.kill()
 
 
+def test_a_rank_dropping_its_gpu_entry_ignores_a_second_sigterm(model_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    """A rank whose main process is gone drops its GPU entry under the state folder's flock.
+    The pipe's EOF and PDEATHSIG both lead there, and a second SIGTERM may land while the
+    rank holds the lock: it must not re-enter and wait on its own lock (CI once saw the
+    ranks hang for ever). Made deterministic: the state file becomes a FIFO, so the rank
+    holding the lock sits in its read until the test writes, and gets SIGTERM right there."""
+    import fcntl
+
+    emu = Emulator(tmp_path, [str(model_dir), "--tp-size", "2"], FAKE_SGLANG_LOAD_SECONDS="60")
+    try:
+        emu.wait_log(" TP1] Load weight begin.")
+        ranks = [p.pid for p in emu.children()]
+        assert len(ranks) == 3
+        folder = os.open(emu.gpu_state.parent, os.O_RDONLY)
+        fcntl.flock(folder, fcntl.LOCK_EX)  # the ranks queue behind the test
+        try:
+            emu.proc.kill()
+            assert emu.wait_exit() == -signal.SIGKILL
+            content = emu.gpu_state.read_text()
+            emu.gpu_state.unlink()
+            os.mkfifo(emu.gpu_state)
+        finally:
+            os.close(folder)  # releases the lock: one rank takes it and opens the FIFO
+
+        def reader_waiting() -> int | None:
+            try:
+                return os.open(emu.gpu_state, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # ENXIO: no rank has opened it for reading yet
+                return None
+
+        writer = wait_for(reader_waiting, "a rank to read the state file under the lock")
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        time.sleep(0.3)  # let the signals land while the rank is still in its read
+        # The ranks after it read a plain file; the one holding the lock keeps its FIFO open.
+        plain = emu.gpu_state.with_name("gpus.json.plain")
+        plain.write_text(content)
+        os.replace(plain, emu.gpu_state)
+        os.set_blocking(writer, True)
+        os.write(writer, content.encode())
+        os.close(writer)
+        assert wait_for(lambda: not group_running(emu.pgid), "the ranks to die")
+        gpus = json.loads(emu.gpu_state.read_text())["gpus"]
+        assert all(g["processes"] == [] for g in gpus[:2]), gpus
+    finally:
+        emu.kill()
+
+
 # -- faults ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("fault", "error"), [

@@ -62,6 +62,10 @@ def _child_main(rank: int, name: str, conn: Connection, parent: int,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides what ^C means
 
     def on_term(signum: int, frame: FrameType | None) -> None:
+        # Ignore a second SIGTERM while the entry is dropped: the loop below calls this when
+        # the pipe closes, and PDEATHSIG lands a moment later. A nested call would wait on
+        # the flock this one holds, and the rank would hang for ever.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if gpu_state is not None:
             release_pid(gpu_state, os.getpid())
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
