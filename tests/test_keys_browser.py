@@ -48,8 +48,11 @@ def test_create_a_key_see_it_once_edit_its_limits_and_revoke_it(
     expect(new_key).to_have_value(re.compile(r"^sk-[0-9a-f]{8}-[A-Za-z0-9_-]{43}$"))
     expect(new_key).to_have_attribute("readonly", "")
     expect(new_key).to_be_focused()  # selected, ready to copy
-    assert page.evaluate("(e => e.selectionStart === 0 && e.selectionEnd === e.value.length)"
-                         "(document.activeElement)")
+    # The browser's own autofocus can land a frame before htmx's settle step selects the
+    # text, so wait for the selection rather than reading it once.
+    page.wait_for_function("(e => e.id === 'new-key' && e.selectionStart === 0"
+                           " && e.selectionEnd === e.value.length)(document.activeElement)",
+                           timeout=10_000)
     key = new_key.input_value()
     match = KEY_RE.match(key)
     assert match
