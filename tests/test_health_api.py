@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ from appliance.health.monitor import HealthMonitor
 from appliance.runtime import Runtime, build_runtime
 from appliance.testing.clock import FakeClock
 from appliance.testing.fake_gpus import FakeGpus
-from tests.conftest import Console, LiveServer, csrf, problem
+from tests.conftest import Console, csrf, problem
 from tests.test_health_host import roomy_host
 
 API = "/api/v1/health"
@@ -102,14 +101,6 @@ def gpus() -> FakeGpus:
 @pytest.fixture
 def runtime(config: Config, db: Database, clock: FakeClock, gpus: FakeGpus) -> Runtime:
     return rig(config, db, clock, gpus)
-
-
-@pytest.fixture
-def server(runtime: Runtime) -> Iterator[LiveServer]:
-    live = LiveServer(runtime)
-    live.start()
-    yield live
-    live.stop()
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import pytest
 from appliance.runtime import Runtime
 from tests.browser_rig import Browser, Page, admin_on, expect, mark_document, same_document, shot
 from tests.conftest import LiveServer
-from tests.test_health_api import HOT, gpus, runtime, seed_hour, server  # noqa: F401 - fixtures
+from tests.test_health_api import HOT, gpus, runtime, seed_hour  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.browser
 HOT_ID = f"gpu.{HOT}.temperature"

@@ -364,21 +364,21 @@ def gpus() -> FakeGpus:
 
 
 @pytest.fixture
-def box(config: Config, db: Database, clock: FakeClock, gpus: FakeGpus) -> Runtime:
+def runtime(config: Config, db: Database, clock: FakeClock, gpus: FakeGpus) -> Runtime:
     return build_runtime(config, clock=clock, db=db, gpus=gpus)
 
 
 @pytest.fixture
-def client(box: Runtime) -> Iterator[TestClient[Litestar]]:
+def client(runtime: Runtime) -> Iterator[TestClient[Litestar]]:
     app = Litestar(route_handlers=[metrics_handler()])
-    app.state.runtime = box
+    app.state.runtime = runtime
     with TestClient(app) as test_client:
         yield test_client
 
 
 def test_route_serves_the_exposition_and_caches_database_figures(
-        box: Runtime, client: TestClient[Litestar], clock: FakeClock) -> None:
-    seed_usage(box.db, clock.now())
+        runtime: Runtime, client: TestClient[Litestar], clock: FakeClock) -> None:
+    seed_usage(runtime.db, clock.now())
     response = client.get("/metrics")
     assert response.status_code == 200, response.text
     assert response.headers["content-type"] == CONTENT_TYPE
@@ -392,7 +392,7 @@ def test_route_serves_the_exposition_and_caches_database_figures(
     assert value(families, "appliance_usage_requests_last_hour", outcome="ok") == 2
 
     # the database figures are read at most every 10 s (on the runtime's clock)
-    seed_usage(box.db, clock.now())
+    seed_usage(runtime.db, clock.now())
     again = parse(client.get("/metrics").text)
     assert value(again, "appliance_usage_requests_last_hour", outcome="ok") == 2
     clock.advance(11)
@@ -401,10 +401,10 @@ def test_route_serves_the_exposition_and_caches_database_figures(
 
 
 def test_route_exports_the_monitors_snapshot(
-        box: Runtime, client: TestClient[Litestar], gpus: FakeGpus) -> None:
+        runtime: Runtime, client: TestClient[Litestar], gpus: FakeGpus) -> None:
     gpus.lose_gpu(3)
     gpus.set_fields(0, temperature_c=95.0)
-    asyncio.run(box.health.check_gpus())
+    asyncio.run(runtime.health.check_gpus())
     families = parse(client.get("/metrics").text)
     assert value(families, "appliance_nvml_up") == 1
     assert by_gpu(families["appliance_gpu_up"]) == {**{str(i): 1.0 for i in range(8)},
@@ -416,18 +416,11 @@ def test_route_exports_the_monitors_snapshot(
     assert value(families, "appliance_health_status") == 2
 
 
-# --- through create_app (needs the lead's wiring in appliance/app.py) -------------------------
+# --- through create_app, over real HTTP (conftest's `server` over this module's runtime) ------
 
 
-@pytest.fixture
-def live(box: Runtime) -> Iterator[LiveServer]:
-    server = LiveServer(box).start()
-    yield server
-    server.stop()
-
-
-def test_metrics_public_by_default(live: LiveServer) -> None:
-    response = httpx.get(f"{live.base_url}/metrics", timeout=10)
+def test_metrics_public_by_default(server: LiveServer) -> None:
+    response = httpx.get(f"{server.base_url}/metrics", timeout=10)
     assert response.status_code == 200, response.text
     assert response.headers["content-type"] == CONTENT_TYPE
     assert "appliance_engine_state" in parse(response.text)

@@ -36,7 +36,6 @@ from tests.test_health_api import (  # noqa: F401 - fixtures
     mutes,
     runtime,
     seed_hour,
-    server,
 )
 from tests.test_usage_ui import text_of
 
