@@ -5,10 +5,18 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 
+import pytest
+
 from appliance.auth.middleware import CSRF_COOKIE
 from appliance.db.journal import list_audit, list_events
 from appliance.db.models import ScheduledAction
-from appliance.engine.schedule import list_scheduled, restore_scheduled, run_scheduled
+from appliance.engine.schedule import (
+    list_scheduled,
+    restore_scheduled,
+    run_scheduled,
+    schedule_action,
+)
+from appliance.engine.states import Command
 from appliance.runtime import Runtime
 from appliance.testing.clock import FakeClock
 from tests.conftest import Console, LiveServer
@@ -38,6 +46,22 @@ def test_schedule_then_cancel_a_restart(logged_in: Console, server: LiveServer,
     assert runtime.scheduler.get_job(f"engine-action-{scheduled['id']}") is None
     actions = [a.action for a in runtime.db.call(lambda s: list_audit(s, action="engine.")).items]
     assert actions == ["engine.schedule_cancel", "engine.schedule"]
+
+
+@pytest.mark.parametrize("years", [-10, 10])
+def test_the_job_waits_the_windows_distance_on_the_runtime_clock(
+        runtime: Runtime, clock: FakeClock, years: int) -> None:
+    """APScheduler fires on the host's wall clock: a window six hours ahead on the runtime's
+    clock fires six hours from now, wherever that clock stands on the calendar (a fake date
+    the real one has passed must not fire at once, nor one years ahead wait years)."""
+    clock.jump_wall(years * 365 * 86400)
+    run_at = clock.now() + dt.timedelta(hours=6)
+    action = asyncio.run(schedule_action(runtime, Command.RESTART, run_at, actor="alice",
+                                         address="127.0.0.1"))
+    job = runtime.scheduler.get_job(f"engine-action-{action.id}")
+    assert job is not None and action.run_at == run_at  # the record keeps the runtime's time
+    wait = job.trigger.run_date - dt.datetime.now(dt.UTC)
+    assert dt.timedelta(hours=5, minutes=59) < wait <= dt.timedelta(hours=6)
 
 
 def test_bad_windows_are_refused(logged_in: Console, clock: FakeClock, runtime: Runtime) -> None:

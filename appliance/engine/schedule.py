@@ -100,9 +100,21 @@ async def cancel_action(runtime: Runtime, action_id: int, *, actor: str,
 
 def _add_job(runtime: Runtime, action: Scheduled) -> None:
     runtime.scheduler.add_job(
-        run_scheduled, "date", run_date=action.run_at, args=[runtime, action.id],
-        id=_job_id(action.id), replace_existing=True,
+        run_scheduled, "date", run_date=scheduler_date(runtime, action.run_at),
+        args=[runtime, action.id], id=_job_id(action.id), replace_existing=True,
     )
+
+
+def scheduler_date(runtime: Runtime, run_at: dt.datetime) -> dt.datetime:
+    """When APScheduler must fire for a window at `run_at` on `runtime.clock`.
+
+    APScheduler keeps its own time (the host's wall clock), not the runtime's clock, so the
+    window's distance from the runtime's now is laid onto the wall clock. With the system
+    clock the two agree (the shift is the microseconds between two reads); with a clock set
+    anywhere else (a test's fake clock) a future window stays in the future — given as it is,
+    a window on a fake date the real calendar has passed would fire at once.
+    """
+    return dt.datetime.now(dt.UTC) + (run_at - runtime.clock.now())
 
 
 async def run_scheduled(runtime: Runtime, action_id: int) -> None:
