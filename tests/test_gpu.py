@@ -784,3 +784,40 @@ def test_a_caller_arriving_during_a_read_joins_it_instead_of_failing() -> None:
     first.join(30)
     second.join(30)
     assert len(answers) == 2 and all(a.ok for a in answers)
+
+
+# --- the binding the code needs ----------------------------------------------------------
+
+# Attributes the code uses that nvidia-ml-py gained after 12.0, with the first release that has
+# each (found by downloading the releases: 12.535.161 lacks both, 12.550.52 has both).
+ADDED_AFTER_12 = {"NVMLLibraryMismatchError": (12, 550, 52),
+                  "nvmlDeviceGetComputeRunningProcesses_v2": (12, 550, 52)}
+
+
+def _binding_attributes() -> set[str]:
+    """Every `pynvml.NAME` / `nv.NAME` (the binding held as `nv`) in appliance/gpu/; names
+    read through getattr with a default are optional by design and not counted."""
+    import re
+
+    import appliance.gpu
+
+    source = "\n".join(p.read_text() for p in Path(appliance.gpu.__file__).parent.glob("*.py"))
+    return set(re.findall(r"\b(?:pynvml|nv)\.([A-Za-z_][A-Za-z0-9_]*)", source))
+
+
+def test_the_installed_binding_has_every_attribute_the_code_uses() -> None:
+    import pynvml
+
+    used = _binding_attributes()
+    assert {"nvmlInit", "NVMLError", "NVMLLibraryMismatchError"} <= used  # the scan still works
+    assert sorted(name for name in used if not hasattr(pynvml, name)) == []
+
+
+def test_the_declared_floor_admits_no_binding_missing_one() -> None:
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    [floor] = [d.split(">=", 1)[1].split(",")[0].strip()
+               for d in project["project"]["dependencies"] if d.startswith("nvidia-ml-py>=")]
+    needed = max(ADDED_AFTER_12[name] for name in _binding_attributes() & ADDED_AFTER_12.keys())
+    assert tuple(int(part) for part in floor.split(".")) >= needed
