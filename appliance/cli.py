@@ -323,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             # The engine unit runs this as its own user, which may not write the daemon's
             # state or log directories (ProtectSystem=strict): the spec is all it needs.
-            engine_cli.exec_spec(args.spec)
+            engine_cli.exec_spec(args.spec, args.engines_dir)
         config = load_config(getattr(args, "config", None), dev=getattr(args, "dev", False))
         logging.basicConfig(level=config.logging.level.upper(),
                             format="%(levelname)s %(name)s: %(message)s")

@@ -921,17 +921,34 @@ configuration() {
   if [[ -e $config ]]; then set_mode "$CONFIG" 0640 root "$USER_NAME"; fi
 }
 
-private_modes() {  # the daemon writes its secrets 0600 in a 0700 dir; keep it that way
-  local state file
+# private_modes: the daemon writes its secrets 0600 in a 0700 dir; keep it that way. These
+# paths lie in the state directory, which the service user owns: root never follows a link
+# there (a planted secrets/server.key -> /etc/shadow would have root chmod that file). Links
+# are refused with a warning, and the modes are set as the service user itself (its own
+# files; setpriv, as for the migration), so even a link swapped in between the check and the
+# chmod gets no more than that user's own power.
+private_modes() {
+  local state file uid gid
   state=$(r "${CFG_paths_state_dir}")
+  uid=$(id_of passwd "$USER_NAME") || return 0  # no service user yet: nothing of its own
+  gid=$(id_of group "$USER_NAME") || return 0
+  as_service_user() { (cd / && setpriv --reuid="$uid" --regid="$gid" --clear-groups -- "$@"); }
+  if [[ -L $state/secrets ]]; then
+    warn "${CFG_paths_state_dir}/secrets is a symbolic link; left alone (the installer never follows links in the service user's directories): remove it and restart the daemon"
+    return 0
+  fi
   if [[ -d $state/secrets && $(stat -c %a "$state/secrets") != 700 ]]; then
-    act "set ${CFG_paths_state_dir}/secrets to 0700" chmod 0700 "$state/secrets"
+    act "set ${CFG_paths_state_dir}/secrets to 0700" as_service_user chmod 0700 "$state/secrets"
     changed "${CFG_paths_state_dir}/secrets: mode set to 0700"
   fi
   for file in "$state"/secrets/* "$state/bootstrap-admin.txt"; do
+    if [[ -L $file ]]; then
+      warn "${file#"$ROOT"} is a symbolic link; left alone (the installer never follows links in the service user's directories)"
+      continue
+    fi
     [[ -f $file ]] || continue
     if [[ $(stat -c %a "$file") != 600 ]]; then
-      act "set ${file#"$ROOT"} to 0600" chmod 0600 "$file"
+      act "set ${file#"$ROOT"} to 0600" as_service_user chmod 0600 "$file"
       changed "${file#"$ROOT"}: mode set to 0600"
     fi
   done

@@ -540,6 +540,41 @@ def test_the_admin_bootstrap_file_and_secrets_are_kept_private(installed: Box, s
     assert run.state_changes() == []  # modes are not a reason to restart
 
 
+def test_links_planted_in_the_service_users_directories_are_never_followed(
+        installed: Box, src: Path) -> None:
+    """The state directory is the service user's: a compromised daemon could plant links
+    there. A re-run as root must not chmod what they point at, and changes the modes of the
+    user's own files as that user (setpriv), not as root."""
+    box = installed
+    state = box.path("/var/lib/appliance")
+    victim = box.path("/etc/victim")  # stands for /etc/shadow
+    victim.write_text("root's\n")
+    victim.chmod(0o640)
+    (state / "secrets").mkdir(mode=0o700, exist_ok=True)
+    (state / "secrets" / "server.key").symlink_to(victim)
+    (state / "bootstrap-admin.txt").symlink_to(victim)
+    (state / "secrets" / "hub.token").write_text("x")
+    (state / "secrets" / "hub.token").chmod(0o644)
+    run = box.install(src)
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o640  # not followed
+    assert "secrets/server.key is a symbolic link; left alone" in run.output
+    assert "bootstrap-admin.txt is a symbolic link; left alone" in run.output
+    assert stat.S_IMODE((state / "secrets" / "hub.token").stat().st_mode) == 0o600
+    uid = box.ids("appliance")
+    assert any(c.startswith(f"setpriv --reuid={uid}") and c.endswith(
+        f"chmod 0600 {state / 'secrets' / 'hub.token'}") for c in run.calls), run.calls
+    # a linked secrets directory is not entered at all
+    (state / "secrets" / "server.key").unlink()
+    (state / "bootstrap-admin.txt").unlink()
+    shutil.rmtree(state / "secrets")
+    elsewhere = box.path("/etc/elsewhere")
+    elsewhere.mkdir(mode=0o755)
+    (state / "secrets").symlink_to(elsewhere)
+    run = box.install(src)
+    assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o755
+    assert "secrets is a symbolic link; left alone" in run.output
+
+
 def operator_edits(box: Box) -> tuple[Path, Path]:
     config = box.path("/etc/appliance/appliance.toml")
     edit(config, '#level = "INFO"', 'level = "DEBUG"')

@@ -44,7 +44,18 @@ from appliance.errors import ApplianceError
 from tests.conftest import free_port, run_cli, wait_for
 
 DEADLINE = 30.0  # seconds any single wait may take on a loaded 2-core machine
-EMULATOR = (sys.executable, "-m", "appliance.testing.fake_sglang")
+# The engine program, as the installer lays it out: `<engines>/<build>/bin/sglang`, here a
+# script that runs the engine emulator (exec-spec runs nothing outside the engines directory).
+EMULATOR_SCRIPT = f"#!{sys.executable}\nimport runpy\n" \
+    "runpy.run_module('appliance.testing.fake_sglang', run_name='__main__')\n"
+
+
+def engine_program(engines: Path, text: str = EMULATOR_SCRIPT) -> Path:
+    program = engines / "sglang-test" / "bin" / "sglang"
+    program.parent.mkdir(parents=True, exist_ok=True)
+    program.write_text(text)
+    program.chmod(0o755)
+    return program
 READY_LINE = "The server is fired up and ready to roll!"
 
 FAKE_SYSTEMCTL = r'''
@@ -302,9 +313,11 @@ class Host:
         self.systemctl.write_text(f"#!{sys.executable}\n{FAKE_SYSTEMCTL}")
         self.systemctl.chmod(0o755)
         self.log_path.parent.mkdir(parents=True)
+        self.engines = self.root / "engines"
+        self.program = engine_program(self.engines)
         self.unit(exec_start=[sys.executable, "-m", "appliance", "--config",
                               str(self.config_path), "engine", "exec-spec", "--spec",
-                              str(self.spec_path)],
+                              str(self.spec_path), "--engines-dir", str(self.engines)],
                   log=str(self.log_path))
 
     def unit(self, **changes: Any) -> None:
@@ -331,7 +344,7 @@ class Host:
         env = [("FAKE_SGLANG_LOAD_SECONDS", f"{load_seconds:g}")]
         if fault:
             env.append(("FAKE_SGLANG_FAULT", fault))
-        return build_launch_spec(EMULATOR, LaunchInputs(
+        return build_launch_spec((str(self.program),), LaunchInputs(
             model_path=self.model_dir, served_model_name="kimi-k3", port=free_port(),
             tp_size=2, dcp_size=2, mem_fraction_static=defaults.mem_fraction_static,
             mamba_full_memory_ratio=defaults.mamba_full_memory_ratio,
@@ -410,7 +423,8 @@ def test_launch_adopt_and_terminate_drains_to_exit_0(host: Host) -> None:
     assert ident.spec_hash == spec.spec_hash
     assert ident.log_path == str(host.log_path)
     # exec-spec execs the engine: the unit's main process becomes the emulator, same pid.
-    wait_for(lambda: psutil.Process(ident.pid).cmdline() == spec.argv(), "exec-spec's exec")
+    # (the kernel puts the script's interpreter in front of its argv)
+    wait_for(lambda: psutil.Process(ident.pid).cmdline()[1:] == spec.argv(), "exec-spec's exec")
     assert runner.alive(ident)
     assert runner.exit_status(ident) is None  # ExecMainCode=0: not ended
 
@@ -456,8 +470,9 @@ def test_engine_dead_right_after_exec_still_gets_an_identity(host: Host) -> None
     assert ident.invocation_id == host.state()["InvocationID"]
     assert ident.pid == int(host.state()["ExecMainPID"]) and ident.started_at == 0.0
     assert not runner.alive(ident)
-    assert runner.exit_status(ident) == 2  # argparse's exit, as SGLang's
-    assert "unrecognized arguments: --no-such-flag" in host.log()
+    # exec-spec's own check refuses the flag before SGLang would (argparse's exit 2)
+    assert runner.exit_status(ident) == 64
+    assert "--no-such-flag: unknown flag" in host.log()
 
 
 def test_kill_takes_the_whole_group_and_reports_the_signal(host: Host) -> None:
@@ -549,24 +564,24 @@ def test_no_systemctl_says_to_use_the_process_runner(tmp_path: Path) -> None:
 # --- the unit's ExecStart ----------------------------------------------------------------
 
 def test_exec_spec_execs_the_argv_and_refuses_a_corrupt_spec(host: Host) -> None:
-    probe = host.root / "probe.py"
-    probe.write_text(ARGV_PROBE)
-    spec = build_launch_spec((sys.executable, str(probe)), LaunchInputs(
+    probe = engine_program(host.root / "probe-engines", f"#!{sys.executable}\n{ARGV_PROBE}")
+    spec = build_launch_spec((str(probe),), LaunchInputs(
         model_path=host.model_dir, served_model_name="kimi-k3", port=free_port(), tp_size=2,
         dcp_size=2, mem_fraction_static=0.9, mamba_full_memory_ratio=2.5,
         kv_cache_dtype="fp8_e4m3", speculative=True))
     spec_file = host.root / "spec.json"
     write_atomic(spec_file, spec.to_json().encode())
-    cli = ("--config", str(host.config_path), "engine", "exec-spec", "--spec", str(spec_file))
+    cli = ("--config", str(host.config_path), "engine", "exec-spec", "--spec", str(spec_file),
+           "--engines-dir", str(host.root / "probe-engines"))
 
     done = run_cli(*cli, env={"NOTIFY_SOCKET": "/run/systemd/notify"})
     assert done.returncode == 7, done.stderr  # the probe's own status: exec, not a child
-    seen = json.loads((host.root / "probe.json").read_text())
-    assert seen["argv"] == spec.argv()[2:]  # after the interpreter and the script
+    seen = json.loads((probe.parent / "probe.json").read_text())
+    assert seen["argv"] == spec.argv()[1:]  # after the program
     assert seen["ppid"] == os.getpid()  # the CLI process became the probe
     assert seen["env"] == {"PYTHONUNBUFFERED": "1", "SGLANG_RAGGED_VERIFY_MODE": "static"}
 
-    (host.root / "probe.json").unlink()
+    (probe.parent / "probe.json").unlink()
     tampered = json.loads(spec.to_json())
     tampered["argv"].append("--enable-lora")  # edited by hand: the hash no longer fits
     for text, why in (("{ not json", "not JSON"),
@@ -576,7 +591,7 @@ def test_exec_spec_execs_the_argv_and_refuses_a_corrupt_spec(host: Host) -> None
         assert done.returncode == 64
         assert f"cannot use the launch spec {spec_file}" in done.stderr
         assert why in done.stderr
-        assert not (host.root / "probe.json").exists()
+        assert not (probe.parent / "probe.json").exists()
 
 
 def test_read_bytes_uses_the_units_cgroup_when_the_processes_are_not_readable(

@@ -306,7 +306,8 @@ def test_tmpfiles_creates_the_directories_with_the_modes_and_owners_the_units_ne
         config.paths.models_dir: (0o750, DAEMON_USER, "dir"),
         runner.spec_path.parent: (0o750, DAEMON_USER, "dir"),
         config.paths.log_dir: (0o750, DAEMON_USER, "dir"),
-        runner.log_path: (0o640, DAEMON_USER, "file"),
+        runner.log_path.parent: (0o750, "root", "dir"),
+        runner.log_path: (0o640, "root", "file"),
         Path("/var/cache/appliance-engine"): (0o750, ENGINE_USER, "dir"),
     }
     tree = snapshot(laid_down)
@@ -331,9 +332,10 @@ def test_a_second_run_changes_nothing(laid_down: Path) -> None:
 
 def test_tmpfiles_fixes_an_engine_log_the_service_manager_created(laid_down: Path) -> None:
     """PID 1 opens StandardOutput=append: as root and creates a missing file root-owned; the
-    next tmpfiles run (every boot, every installer run) gives it back to the daemon."""
-    log = laid_down / "var/log/appliance/engine.log"
-    users = ids(laid_down, "passwd")
+    next tmpfiles run (every boot, every installer run) makes it readable by the daemon
+    through the group again."""
+    log = laid_down / "var/log/appliance-engine/engine.log"
+    groups = ids(laid_down, "group")
     log.unlink()
     log.write_text("INFO engine output\n")
     log.chmod(0o644)
@@ -342,7 +344,7 @@ def test_tmpfiles_fixes_an_engine_log_the_service_manager_created(laid_down: Pat
                str(SYSTEMD / "appliance.tmpfiles.conf"))
     assert done.returncode == 0, done.stderr
     st = log.stat()
-    assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o640, int(users[DAEMON_USER][2]))
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o640, 0, int(groups[GROUP][2]))
     assert log.read_text() == "INFO engine output\n"  # content kept
 
 
@@ -482,7 +484,9 @@ def test_the_engine_unit_runs_the_spec_and_writes_the_log_the_daemon_follows(
     args = build_parser().parse_args(exec_start(engine)[1:])
     assert args.engine_command == "exec-spec"
     assert args.spec == runner.spec_path
-    assert runner.log_path == config.paths.log_dir / "engine.log"
+    assert args.engines_dir == Path("/opt/appliance/engines")  # the installer's engine venvs
+    assert runner.log_path == systemd_runner.UNIT_LOG
+    assert runner.engine_log(config.paths.log_dir) == systemd_runner.UNIT_LOG
     assert engine.get("StandardOutput") == f"append:{runner.log_path}"
     assert engine.get("StandardError") == "inherit"
     assert systemd_runner.UNIT == ENGINE
@@ -604,3 +608,59 @@ def test_the_files_the_installer_copies_are_here() -> None:
     for name in (*UNITS, "appliance.sysusers.conf", "appliance.tmpfiles.conf",
                  POLKIT_RULE.name):
         assert (SYSTEMD / name).is_file(), name
+
+
+# --- what PID 1 opens as root ------------------------------------------------------------------
+
+ROOT_OPENED_KEYS = ("StandardInput", "StandardOutput", "StandardError", "EnvironmentFile",
+                    "PIDFile")
+SERVICE_USERS = (DAEMON_USER, ENGINE_USER)
+UNIT_DIR_KEYS = {"StateDirectory": "/var/lib", "LogsDirectory": "/var/log",
+                 "CacheDirectory": "/var/cache", "RuntimeDirectory": "/run"}
+
+
+def root_opened_paths(unit: Unit) -> list[Path]:
+    """Files the service manager opens as root, before the user switch, following symlinks."""
+    paths = []
+    for key in ROOT_OPENED_KEYS:
+        for value in unit.all(key):
+            value = value.lstrip("-")
+            kind, _, rest = value.partition(":")
+            if key in ("StandardInput", "StandardOutput", "StandardError"):
+                if kind in ("file", "append", "truncate"):
+                    paths.append(Path(rest))
+            elif value.startswith("/"):
+                paths.append(Path(value))
+    return paths
+
+
+def test_no_file_root_opens_for_a_unit_lies_in_a_directory_a_service_user_can_write(
+    units: dict[str, Unit], laid_down: Path
+) -> None:
+    """The service manager opens StandardOutput=append: (and the like) as root and follows
+    symlinks: a directory on the way that a service user can write would let that user (or
+    code running as it, in the daemon or the gateway) plant a link and have root create or
+    append to any file. Owners come from tmpfiles.d as laid down, and from the units'
+    StateDirectory=/LogsDirectory=/CacheDirectory= (owned by each unit's user)."""
+    users, groups = ids(laid_down, "passwd"), ids(laid_down, "group")
+    service_uids = {int(users[name][2]) for name in SERVICE_USERS}
+    service_gid = int(groups[GROUP][2])
+    unit_owned = {Path(base) / directory: unit.get("User") or "root"
+                  for unit in units.values() for key, base in UNIT_DIR_KEYS.items()
+                  for directory in unit.words(key)}
+    opened = [(name, path) for name, unit in units.items() for path in root_opened_paths(unit)]
+    assert opened, "the engine unit's output, at least, is opened by the service manager"
+    for name, path in opened:
+        for directory in path.parents:
+            owner = unit_owned.get(directory)
+            assert owner not in SERVICE_USERS, f"{name}: {path} lies in {directory}, which " \
+                f"systemd gives to {owner}"
+            laid = laid_down / directory.relative_to("/")
+            if not laid.exists():
+                continue  # a system directory (/var, /var/log): root's
+            st = laid.lstat()
+            assert st.st_uid not in service_uids, f"{name}: {path} lies in {directory}, " \
+                f"owned by a service user (uid {st.st_uid})"
+            assert not st.st_mode & stat.S_IWOTH, f"{name}: {directory} is world-writable"
+            assert not (st.st_gid == service_gid and st.st_mode & stat.S_IWGRP), \
+                f"{name}: {directory} is writable by the {GROUP} group"

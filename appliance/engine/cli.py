@@ -52,6 +52,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     run = engine_sub.add_parser("exec-spec", parents=[common],
                                 help="exec the launch spec (appliance-engine.service's ExecStart)")
     run.add_argument("--spec", type=Path)
+    run.add_argument("--engines-dir", type=Path, default=None,
+                     help="the only directory whose programs the spec may run "
+                          "(default /opt/appliance/engines, what the installer builds)")
 
 
 def run(args: argparse.Namespace, config: Config) -> int:
@@ -59,7 +62,8 @@ def run(args: argparse.Namespace, config: Config) -> int:
     if command == "parse-log":
         return parse_log(args.file, as_json=args.json)
     if command == "exec-spec":
-        return exec_spec(args.spec or config.paths.state_dir / "engine" / "launch-spec.json")
+        return exec_spec(args.spec or config.paths.state_dir / "engine" / "launch-spec.json",
+                         args.engines_dir)
     with daemon_api(config) as api:
         if command == "logs":
             return show_logs(api, args)
@@ -102,8 +106,12 @@ def parse_log(path: Path, *, as_json: bool) -> int:
     return 0
 
 
-def exec_spec(path: Path) -> NoReturn:
+def exec_spec(path: Path, engines_dir: Path | None = None) -> NoReturn:
+    """Become the engine the launch spec describes, after checking it again as the engine's
+    own user (`exec_guard`): the daemon's user writes the spec, and must not be able to make
+    the engine unit run anything but SGLang from the installer's engine environment."""
     from appliance.engine.args import LaunchSpec
+    from appliance.engine.exec_guard import DEFAULT_ENGINES_DIR, check_program, check_spec
     from appliance.sdnotify import child_environment
 
     try:
@@ -113,6 +121,15 @@ def exec_spec(path: Path) -> NoReturn:
             "launch_spec_invalid", f"cannot use the launch spec {path}: {exc}",
             "start the engine from the appliance (console, API or `appliance engine start`); "
             "it writes the spec", exit_code=EX_USAGE) from None
+    allowed = engines_dir or DEFAULT_ENGINES_DIR
+    problems = check_spec(spec) + check_program(spec.command[0], allowed)
+    if problems:
+        raise ApplianceError(
+            "launch_spec_refused", f"refusing to run the launch spec {path}: "
+            + "; ".join(problems),
+            f"the engine runs only SGLang from {allowed} with SGLang's own flags: set "
+            "engine.command to the installer's engine program and start the engine again",
+            exit_code=EX_USAGE)
     env = child_environment()
     env.update(dict(spec.env))
     argv = spec.argv()

@@ -49,6 +49,10 @@ class EngineRunner(Protocol):
 
     def launch(self, spec: LaunchSpec, log_path: Path) -> EngineIdentity: ...
 
+    def engine_log(self, log_dir: Path) -> Path:
+        """Where this runner's engine writes its output, given the daemon's log directory."""
+        ...
+
     def find(self) -> EngineIdentity | None:
         """The engine this runner launched earlier, if it is still running."""
         ...
@@ -123,6 +127,10 @@ class ProcessRunner:
     def __init__(self, state_dir: Path) -> None:
         self.pidfile = state_dir / "engine" / "engine.pid"
         self._children: dict[int, subprocess.Popen[bytes]] = {}
+
+    def engine_log(self, log_dir: Path) -> Path:
+        """The daemon opens the log itself here, as its own user: its own directory is safe."""
+        return log_dir / "engine.log"
 
     def launch(self, spec: LaunchSpec, log_path: Path) -> EngineIdentity:
         log_path.parent.mkdir(parents=True, exist_ok=True)

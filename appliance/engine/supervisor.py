@@ -236,7 +236,8 @@ class Supervisor:
 
     @property
     def log_path(self) -> Path:
-        return self.config.paths.log_dir / "engine.log"
+        """The engine's output as the runner places it (the systemd unit's own directory)."""
+        return self.runner.engine_log(self.config.paths.log_dir)
 
     def engine_pids(self) -> frozenset[int]:
         """The processes of the engine being followed (its whole tree, as seen so far)."""
@@ -410,7 +411,7 @@ class Supervisor:
             raise ApplianceError("engine_bad_argument", f"bad engine argument: {details}", hint,
                                  status=422)
         self._transition(EngineState.LAUNCHING, "launching the engine")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # (the runner makes the log's directory where it may: the systemd unit's is tmpfiles')
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         try:
             ident = await asyncio.to_thread(self.runner.launch, spec, self.log_path)

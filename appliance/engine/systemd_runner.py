@@ -2,10 +2,11 @@
 
 The daemon writes the launch spec atomically to `<state_dir>/engine/launch-spec.json`; the
 unit's ExecStart (`appliance engine exec-spec`) reads it and execs SGLang, whose output the
-unit appends to `<log_dir>/engine.log`. The unit has no Restart=: this daemon is the one
-restart brain. Identity is the unit's InvocationID plus its main pid and start time, so a
-restarted daemon adopts exactly the engine it launched. polkit lets the daemon's user start,
-stop and signal this one unit (installer issue).
+unit appends to `/var/log/appliance-engine/engine.log` (`UNIT_LOG`: a directory the daemon
+may read but not write, because the service manager opens that file as root). The unit has
+no Restart=: this daemon is the one restart brain. Identity is the unit's InvocationID plus
+its main pid and start time, so a restarted daemon adopts exactly the engine it launched.
+polkit lets the daemon's user start, stop and signal this one unit (installer issue).
 
 Invariants:
 - a launch never writes the spec file while the unit runs (a `systemctl start` of an active
@@ -31,6 +32,10 @@ from appliance.engine.runner import EngineIdentity, process_read_bytes, same_pro
 from appliance.errors import ApplianceError
 
 UNIT = "appliance-engine.service"
+# The unit's StandardOutput=append: path (systemd/appliance-engine.service; a test holds the
+# two together). Not under paths.log_dir: PID 1 opens it as root, following symlinks, so it
+# must lie where the daemon's user cannot plant one.
+UNIT_LOG = Path("/var/log/appliance-engine/engine.log")
 SHOW_PROPS = "MainPID,ExecMainPID,InvocationID,ActiveState,SubState,ExecMainStatus,ExecMainCode"
 RUNNING = ("active", "activating", "deactivating", "reloading")
 # ExecMainCode is the si_code of the main process's end (waitid(2)): exited, killed, dumped.
@@ -130,6 +135,10 @@ class SystemdRunner:
         return props
 
     # --- the EngineRunner port ------------------------------------------------------------
+
+    def engine_log(self, log_dir: Path) -> Path:
+        """The unit's own log file, wherever the daemon's log directory is."""
+        return self.log_path
 
     def launch(self, spec: LaunchSpec, log_path: Path) -> EngineIdentity:
         """Write the spec, start the unit, record the invocation. The unit appends its output
