@@ -5,7 +5,8 @@ small generated checkpoint, and a console session (cookies, CSRF token). Covers 
 no manifest yet, the status partial and its polling interval, the nav link, CSRF on every
 action, inline refusals (bad input, nothing to verify or cancel) that change nothing, the
 no-htmx fallback (the whole page with the result), a whole pull to "ready for the engine"
-with its audit entry, and the presentation helpers (file order, rates, readiness).
+with its audit entry, a failed quick check audited as failed (console and API), and the
+presentation helpers (file order, rates, readiness).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy.orm import Session
 
 from appliance.auth.middleware import CSRF_COOKIE
 from appliance.config import Config
@@ -25,6 +27,8 @@ from appliance.runtime import Runtime
 from appliance.testing.checkpoint import write_checkpoint
 from appliance.testing.fake_hub import FakeHub
 from appliance.ui.weights import rate_text, readiness, sort_files
+from appliance.weights.manifest import ManifestFile, build_manifest
+from appliance.weights.records import set_control, store_manifest
 from appliance.weights.views import FileView, WeightsView
 from tests.conftest import Console, make_config, wait_for
 from tests.test_no_cdn import EXTERNAL
@@ -213,7 +217,30 @@ def test_a_pull_from_the_page_ends_ready_for_the_engine(
                     "refused": f"{tmp_path / 'nowhere'} is not a directory"})]
 
 
-def _file_count(session: object) -> list[object]:
+def test_a_failed_quick_check_is_audited_as_failed(logged_in: Console,
+                                                    runtime: Runtime) -> None:
+    """A quick check that ran and found damage is a failure in the audit log, from the
+    console and from the API alike (not "ok" with `{"ok": false}` in its detail)."""
+    manifest = build_manifest(REPO_ID, "main", "b" * 40, [
+        ManifestFile("model-00001-of-00001.safetensors", 4096, sha256="0" * 64)])
+    now = runtime.clock.now()
+
+    def record(s: Session) -> None:  # a manifest whose one shard is not on disk
+        stored = store_manifest(s, manifest, "test", now)
+        set_control(s, at=now, by="test", active_set_id=stored.id)
+
+    runtime.db.call(record)
+    console = htmx_post(logged_in, "/weights/verify/quick")
+    assert console.startswith("200 ") and "Quick check failed: " in console
+    api = logged_in.http.post("/api/v1/weights/verify", json={},
+                              headers={"X-CSRF-Token": logged_in.http.cookies[CSRF_COOKIE]})
+    assert api.status_code == 202, api.text
+    assert audit_of(runtime, "weights.verify") == [
+        ("alice", "failed", {"via": "api:session", "ok": False}),
+        ("alice", "failed", {"via": "console", "ok": False})]
+
+
+def _file_count(session: Session) -> list[object]:
     from appliance.weights import records
 
     control = records.get_control(session)

@@ -45,10 +45,10 @@ class ImportBody:
 
 
 async def _audited(request: AdminRequest, action: str, target: str,
-                   detail: dict[str, Any]) -> None:
+                   detail: dict[str, Any], *, outcome: str = "ok") -> None:
     await audit(runtime_of(request), actor=request.user.username,
                 address=client_address(request), action=f"weights.{action}", target=target,
-                detail={"via": f"api:{request.auth.kind}", **detail})
+                outcome=outcome, detail={"via": f"api:{request.auth.kind}", **detail})
 
 
 @get("/", summary="Weights: the active manifest, the job in flight, every file's progress")
@@ -94,7 +94,8 @@ async def weights_verify(request: AdminRequest, data: JSONBody[VerifyBody | None
     if report is None:
         raise ApplianceError("weights_no_manifest", "no weights manifest is recorded yet",
                              "pull or import the weights first", status=409)
-    await _audited(request, "verify", "quick", {"ok": report.ok})
+    await _audited(request, "verify", "quick", {"ok": report.ok},
+                   outcome="ok" if report.ok else "failed")
     return (await runtime.weights.status()).to_dict()
 
 

@@ -211,7 +211,8 @@ Work = Callable[[], Awaitable[Outcome]]
 async def _act(request: AdminRequest, key: str, action: str, target: str,
                detail: dict[str, Any], work: Work, forms: Forms) -> Template:
     """Run one action and answer with its outcome. A refusal (ApplianceError) is shown with
-    its reason and hint, and audited as denied; the answer's status is the refusal's."""
+    its reason and hint, and audited as denied; the answer's status is the refusal's. An
+    action that ran and found a fault (a failed quick check) is audited as failed."""
     runtime = runtime_of(request)
     try:
         outcome = await work()
@@ -219,7 +220,8 @@ async def _act(request: AdminRequest, key: str, action: str, target: str,
         outcome = Outcome(error=exc.message, hint=exc.hint, status=exc.status)
     await audit(runtime, actor=request.user.username, address=client_address(request),
                 action=f"weights.{action}", target=target,
-                outcome="denied" if outcome.status >= 400 else "ok",
+                outcome=("denied" if outcome.status >= 400 else "failed" if outcome.error
+                         else "ok"),
                 detail={"via": "console", **detail,
                         **({"refused": outcome.error} if outcome.status >= 400 else {})})
     if not _htmx(request):
