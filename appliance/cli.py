@@ -308,7 +308,39 @@ HANDLERS: dict[str, Handler] = {
 }
 
 
+EX_PIPE = 141  # what a shell reports for a command SIGPIPE ended (128 + 13)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The entry point. A reader that leaves early (`appliance ... --json | head`) ends the
+    command quietly with the shell's SIGPIPE status, never a BrokenPipeError traceback."""
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # output still buffered fails here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise  # a broken pipe elsewhere (a socket) is a real failure: show it
+        # Python's recipe (the signal module's "Note on SIGPIPE"): stdout now points at
+        # /dev/null, so the interpreter's own flush at exit cannot fail a second time.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EX_PIPE
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reading end has closed (POLLERR/POLLHUP)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no real file behind stdout
+        return False
+
+
+def _run(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     # Files the appliance creates (database, backups, logs) are not world-readable.
     os.umask(0o027)

@@ -1,7 +1,11 @@
-"""The `appliance admin` and `appliance token` commands, as real subprocesses."""
+"""The `appliance admin` and `appliance token` commands, as real subprocesses; and any
+command's output piped into a reader that leaves early."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +15,7 @@ from appliance.auth.tokens import list_tokens
 from appliance.config import load_config
 from appliance.db.database import Database
 from appliance.db.journal import list_audit
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 from tests.test_server import write_config
 
 
@@ -104,3 +108,33 @@ def test_commands_refuse_an_unmigrated_database(tmp_path: Path) -> None:
     result = run_cli("--config", str(config), "admin", "list")
     assert result.returncode == 78
     assert "appliance migrate" in result.stderr
+
+
+SAMPLE_LOG = REPO / "tests" / "data" / "engine_logs" / "k3_startup.sample.log"
+
+
+def test_a_reader_that_left_ends_the_command_quietly() -> None:
+    """`appliance ... --json | head -c 10`, with `head` already gone before the first write
+    (so the broken pipe is certain, not a race): no traceback, the shell's SIGPIPE status."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "appliance", "engine", "parse-log",
+                               str(SAMPLE_LOG), "--json"], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=60, cwd=REPO)
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (141, "")
+
+
+def test_a_broken_pipe_that_is_not_stdout_still_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a closed stdout is quiet: a broken socket inside a command is a real failure."""
+    from appliance import cli
+    from appliance.engine import cli as engine_cli
+
+    def upstream_gone(path: Path, *, as_json: bool) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(engine_cli, "parse_log", upstream_gone)
+    with pytest.raises(BrokenPipeError):
+        cli.main(["engine", "parse-log", str(SAMPLE_LOG), "--json"])
