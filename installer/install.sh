@@ -1247,7 +1247,8 @@ do_uninstall() {
   fi
   local state=${CFG_paths_state_dir} models=${CFG_paths_models_dir}
   local logs=${CFG_paths_log_dir}
-  local data=("$ETC" "$state" "$models" "$logs" /var/cache/appliance /var/cache/appliance-engine)
+  local data=("$ETC" "$state" "$models" "$logs" /var/log/appliance-engine /var/cache/appliance
+    /var/cache/appliance-engine)
   if ((PURGE)); then
     local path
     for path in "${data[@]}"; do

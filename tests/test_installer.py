@@ -737,6 +737,7 @@ def test_uninstall_keeps_data_a_reinstall_finds_it_and_purge_removes_it(
     assert config.exists()
     purged = box.install(src, "--uninstall", "--purge", "--yes")
     for gone in ("/etc/appliance", "/var/lib/appliance", "/var/log/appliance", "/opt/appliance",
+                 "/var/log/appliance-engine",
                  "/var/cache/appliance-engine"):
         assert not box.path(gone).exists(), gone
     assert "removed /var/lib/appliance" in purged.output
