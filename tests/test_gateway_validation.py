@@ -65,7 +65,7 @@ CASES = [
         {"role": "user", "content": "x"}] * 10_001}, 400, "invalid_request"),
     ("huge n", chat_body(n=1000), 400, "invalid_request"),
     ("stream not a boolean", chat_body(stream="yes"), 400, "invalid_request"),
-    ("max_tokens not an integer", chat_body(max_tokens="lots"), 400, "invalid_request"),
+    ("max_tokens not an integer", chat_body(max_tokens="lots"), 400, "invalid_type"),
     ("max_tokens zero", chat_body(max_tokens=0), 400, "invalid_request"),
     ("max_tokens over the context", chat_body(max_tokens=CONTEXT), 400,
      "context_length_exceeded"),

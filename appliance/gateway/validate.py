@@ -7,6 +7,12 @@ except that a streaming OpenAI request that did not ask for usage gets
 `stream_options.include_usage` added, so the engine reports the tokens; the gateway strips
 that extra chunk from the stream again (`appliance.gateway.sse`).
 
+Types are checked as OpenAI checks them: a number sent as a string (`"max_tokens": "5"`,
+`"temperature": "0.7"`) is a 400 `invalid_type` naming the field, never passed on for the
+engine's lax parser to coerce. A key's `max_tokens` cap binds every request: one that asks
+for more is refused, and one that asks for nothing (the field absent or null) gets the cap
+written into the forwarded body, so an uncapped generation cannot slip past it.
+
 There is no tokenizer in the gateway. A prompt is refused as too long only when its size
 proves it: more than `MAX_CHARS_PER_TOKEN` characters per token would be needed for it to fit
 the context. Anything closer is forwarded, and the engine's own 400 comes back in the same
@@ -74,11 +80,48 @@ def decode(body: bytes) -> dict[str, Any]:
     return data
 
 
+# Sampling parameters whose JSON type is checked (null is allowed: it means "not set"). The
+# token limits and `n` are checked by `_int` with their minimum. `logprobs` is a boolean on
+# chat and an integer on completions, as in OpenAI's API.
+NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "min_p")
+INTEGERS = ("seed", "top_k", "top_logprobs", "best_of", "min_tokens")
+BOOLEANS = ("echo", "ignore_eos", "parallel_tool_calls", "skip_special_tokens")
+_JSON_TYPES = {str: "a string", bool: "a boolean", list: "an array", dict: "an object",
+               float: "a number", int: "an integer"}
+
+
+def _type_error(name: str, expected: str, value: Any) -> GatewayError:
+    """OpenAI's own wording and code for a mistyped parameter."""
+    got = _JSON_TYPES.get(type(value), "another type")
+    return _bad(f"Invalid type for '{name}': expected {expected}, but got {got} instead.",
+                name, "invalid_type")
+
+
+def _check_types(endpoint: Endpoint, data: Mapping[str, Any]) -> None:
+    logprobs_int = endpoint.name == "completions"
+    for name in NUMBERS:
+        value = data.get(name)
+        if value is not None and (isinstance(value, bool) or
+                                  not isinstance(value, int | float)):
+            raise _type_error(name, "a number", value)
+    for name in (*INTEGERS, *(("logprobs",) if logprobs_int else ())):
+        value = data.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise _type_error(name, "an integer", value)
+    for name in (*BOOLEANS, *(() if logprobs_int else ("logprobs",))):
+        value = data.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise _type_error(name, "a boolean", value)
+
+
 def _int(data: Mapping[str, Any], name: str, minimum: int) -> int | None:
     value = data.get(name)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _type_error(name, "an integer", value)
+    if value < minimum:
         raise _bad(f"{name} must be an integer of at least {minimum}", name)
     return value
 
@@ -135,14 +178,15 @@ def parse(endpoint: Endpoint, body: bytes, *, served: frozenset[str], context_le
     stream = data.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream must be true or false", "stream")
-    names = ("max_tokens",) if endpoint.anthropic else ("max_completion_tokens", "max_tokens")
-    max_tokens = None
-    for name in names:
-        max_tokens = _int(data, name, 1)
-        if max_tokens is not None:
-            break
+    # SGLang takes `max_completion_tokens or max_tokens` on chat (serving_chat.py); both are
+    # read, and each is held to the key's cap below.
+    names = ("max_completion_tokens", "max_tokens") if endpoint.name == "chat" else \
+        ("max_tokens",)
+    asked = {name: _int(data, name, 1) for name in names}
+    max_tokens = next((value for value in asked.values() if value is not None), None)
     if endpoint.name == "messages" and max_tokens is None:
         raise _bad("max_tokens is required", "max_tokens")
+    _check_types(endpoint, data)
     n = _int(data, "n", 1) or 1
     if n > MAX_N:
         raise _bad(f"n is at most {MAX_N} here; send separate requests for more", "n")
@@ -152,9 +196,10 @@ def parse(endpoint: Endpoint, body: bytes, *, served: frozenset[str], context_le
         chars, exact = _prompt(data)
     else:
         messages, chars = _messages(data)
-    if key_max_tokens is not None and max_tokens is not None and max_tokens > key_max_tokens:
-        raise _bad(f"max_tokens {max_tokens} is over this key's cap of {key_max_tokens}",
-                   "max_tokens", "max_tokens_over_key_cap")
+    for name, value in asked.items():
+        if key_max_tokens is not None and value is not None and value > key_max_tokens:
+            raise _bad(f"{name} {value} is over this key's cap of {key_max_tokens}",
+                       name, "max_tokens_over_key_cap")
     if context_len:
         if max_tokens is not None and max_tokens >= context_len:
             raise _bad(f"max_tokens {max_tokens} does not fit the model's context length of "
@@ -166,10 +211,15 @@ def parse(endpoint: Endpoint, body: bytes, *, served: frozenset[str], context_le
                        "context_length_exceeded")
     options = data.get("stream_options")
     wants_usage = isinstance(options, dict) and options.get("include_usage") is True
-    forward = body
+    changes: dict[str, Any] = {}
     if stream and not wants_usage and not endpoint.anthropic and endpoint.generates:
         extra = dict(options) if isinstance(options, dict) else {}
         extra["include_usage"] = True
-        forward = msgspec.json.encode({**data, "stream_options": extra})
+        changes["stream_options"] = extra
+    if key_max_tokens is not None and max_tokens is None and endpoint.generates and not (
+            context_len and key_max_tokens >= context_len):
+        # Nothing asked: the cap is the limit (a cap the context cannot reach binds anyway).
+        max_tokens = changes[names[0]] = key_max_tokens
+    forward = msgspec.json.encode({**data, **changes}) if changes else body
     return Parsed(endpoint, model, stream, wants_usage or endpoint.anthropic, max_tokens, n,
                   messages, forward)
