@@ -32,6 +32,7 @@ from appliance.cli import serve
 from appliance.config import DEV_ROOT, load_config
 from appliance.db.database import Database
 from appliance.engine.records import get_desired, list_runs, set_desired
+from appliance.engine.runner import ProcessRunner
 from appliance.errors import ApplianceError
 from appliance.gateway.keys import create_key, list_keys
 from appliance.secrets import server_secret, write_private
@@ -189,6 +190,14 @@ def run_demo(hub_url: str, alerts: Path) -> int:
     else:
         lines.append("  Log in as the admin whose password you chose earlier "
                      "(forgot it? .venv/bin/appliance --dev admin reset-password --username admin)")
+    running = ProcessRunner(config.paths.state_dir).find()
+    if running is not None:
+        lines += [
+            f"  Engine:   the emulator a previous `make demo` started is still running (pid "
+            f"{running.pid}):",
+            "            this demo adopts it, as the daemon adopts a real engine; nothing is "
+            "restarted.",
+        ]
     lines += [
         f"  Weights:  pulled from a *fake* Hugging Face Hub at {hub_url} (a demo instrument",
         "            serving a generated 100 MB checkpoint slowly, with one stalled shard); watch",
@@ -229,6 +238,20 @@ def run_demo(hub_url: str, alerts: Path) -> int:
     except ApplianceError as exc:
         print(f"demo: {exc.as_text()}", file=sys.stderr)
         return exc.exit_code
+    finally:
+        print(farewell(config.paths.state_dir), flush=True)
+
+
+def farewell(state_dir: Path) -> str:
+    """What the demo leaves running when it ends, and how to stop it (said on Ctrl-C)."""
+    engine = ProcessRunner(state_dir).find()
+    done = "demo stopped: the console, the gateway and the demo traffic have ended."
+    if engine is None:
+        return f"{done} No engine emulator is running."
+    return (f"{done}\nStill running, by design: the engine emulator (pid {engine.pid}), as a "
+            "real engine outlives its daemon; the next `make demo` adopts it.\nTo stop it: "
+            f"`kill {engine.pid}` (it drains and exits), or stop it from the Engine page of "
+            "the next `make demo`.")
 
 
 if __name__ == "__main__":
