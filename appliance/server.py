@@ -16,6 +16,7 @@ import uvicorn
 
 from appliance.app import create_app
 from appliance.db.journal import add_event
+from appliance.headbounds import HeadLimits, head_bounded
 from appliance.runtime import Runtime
 from appliance.sdnotify import notify
 from appliance.serving import OwnSignalsServer, serve_until_stopped
@@ -39,12 +40,15 @@ async def _announce_ready(runtime: Runtime) -> None:
     log.info("appliance %s ready on %s", runtime.version, url)
 
 
-async def run_server(runtime: Runtime) -> None:
+def uvicorn_config(runtime: Runtime, *, head: HeadLimits | None = None) -> uvicorn.Config:
+    """The console's server: the app on `server.host:port`, request heads bounded by `head`
+    (appliance.headbounds: size, field count, time to arrive, one Host)."""
     cfg = runtime.config.server
-    config = uvicorn.Config(
+    return uvicorn.Config(
         create_app(runtime),
         host=cfg.host,
         port=cfg.port,
+        http=head_bounded(head or HeadLimits()),
         ssl_certfile=str(cfg.tls_cert) if cfg.tls_cert else None,
         ssl_keyfile=str(cfg.tls_key) if cfg.tls_key else None,
         log_config=None,
@@ -53,7 +57,11 @@ async def run_server(runtime: Runtime) -> None:
         proxy_headers=False,  # nothing proxies the console: client addresses are real
         lifespan="on",
     )
-    server = OwnSignalsServer(config)
+
+
+async def run_server(runtime: Runtime) -> None:
+    cfg = runtime.config.server
+    server = OwnSignalsServer(uvicorn_config(runtime))
     await serve_until_stopped(server, lambda: _announce_ready(runtime), what="control plane",
                               where=f"{cfg.host}:{cfg.port}", port_key="server.port")
     await asyncio.to_thread(_record, runtime, "info", "daemon stopped cleanly")

@@ -18,6 +18,7 @@ import uvicorn
 from appliance.config import Config
 from appliance.gateway.app import GatewayApp
 from appliance.gateway.parts import GatewayParts, build_gateway
+from appliance.headbounds import HeadLimits, head_bounded
 from appliance.sdnotify import notify
 from appliance.serving import OwnSignalsServer, serve_until_stopped
 
@@ -25,16 +26,17 @@ log = logging.getLogger(__name__)
 GRACEFUL_SECONDS = 60
 
 
-def uvicorn_config(parts: GatewayParts) -> uvicorn.Config:
+def uvicorn_config(parts: GatewayParts, *, head: HeadLimits | None = None) -> uvicorn.Config:
+    """The gateway's server. httptools (fastest: this is the hot path) under `head`'s bounds
+    on request heads (appliance.headbounds), which uvicorn alone does not bound with it."""
     cfg = parts.config.gateway
     return uvicorn.Config(
-        GatewayApp(parts), host=cfg.host, port=cfg.port,
+        GatewayApp(parts), host=cfg.host, port=cfg.port, http=head_bounded(head or HeadLimits()),
         ssl_certfile=str(cfg.tls_cert) if cfg.tls_cert else None,
         ssl_keyfile=str(cfg.tls_key) if cfg.tls_key else None,
         log_config=None, access_log=False, server_header=False, date_header=False,
         proxy_headers=False, lifespan="on", timeout_graceful_shutdown=GRACEFUL_SECONDS,
         limit_concurrency=None, backlog=4096,
-        h11_max_incomplete_event_size=64 * 1024,  # bounds the headers a client may send
     )
 
 

