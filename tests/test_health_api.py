@@ -140,6 +140,7 @@ def test_the_snapshot(checked: Console, clock: FakeClock) -> None:
     assert check(body, "gpu.0.temperature")["level"] == "ok"
     assert {c["group"] for c in body["checks"]} == {"gpu", "engine", "host"}
     assert check(body, "engine.ready")["level"] == "ok"
+    assert check(body, "engine.ready")["checked"] is True  # this rig's engine serves
     assert len(body["gpus"]["gpus"]) == 8
     assert body["gpus"]["gpus"][HOT]["temperature_c"] == 95.0
     assert body["engine"]["generation_tokens_per_second"] == 1234.0

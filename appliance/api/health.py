@@ -86,6 +86,7 @@ class CheckOut:
     hint: str
     muted: bool
     mute: MuteOut | None
+    checked: bool = True  # False: it did not run this time (the level is not a verdict)
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,8 @@ def health_out(board: Board) -> HealthOut:
     snap = board.snapshot
     checks = [CheckOut(r.id, r.group, r.title, r.level.label, r.summary, r.hint,
                        r.id in board.mutes,
-                       MuteOut.of(board.mutes[r.id]) if r.id in board.mutes else None)
+                       MuteOut.of(board.mutes[r.id]) if r.id in board.mutes else None,
+                       r.judged)
               for r in snap.results]
     level = max((r.level for r in snap.results if r.id not in board.mutes),
                 default=model.Level.OK)

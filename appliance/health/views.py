@@ -69,10 +69,21 @@ class CheckRow:
     mute: MuteView | None
     since: dt.datetime | None
     changes: tuple[TransitionView, ...] = ()
+    judged: bool = True  # False: not checked this time (an engine check while it loads)
 
     @property
     def muted(self) -> bool:
         return self.mute is not None
+
+    @property
+    def shown(self) -> str:
+        """The state a person sees: ok, warn, critical, or "not checked" (grey, never a green
+        OK: a check that did not run proves nothing)."""
+        return "unchecked" if not self.judged and self.level is Level.OK else self.level.label
+
+    @property
+    def shown_label(self) -> str:
+        return "NOT CHECKED" if self.shown == "unchecked" else self.level.label.upper()
 
     @property
     def counts(self) -> bool:
@@ -87,6 +98,11 @@ class Overall:
     failing: tuple[CheckRow, ...]  # counted (unmuted) failures, worst first
     muted: int  # checks muted now
     total: int
+    unchecked: int = 0  # checks that did not run this time (shown grey, not as passing)
+
+    @property
+    def passing(self) -> int:
+        return self.total - len(self.failing) - self.muted - self.unchecked
 
 
 def active_mutes(mutes: Iterable[MuteView], now: dt.datetime) -> dict[str, MuteView]:
@@ -105,15 +121,16 @@ def check_rows(snapshot: HealthSnapshot, mutes: Mapping[str, MuteView],
         own = by_check.get(r.id, [])
         since = own[0].at if own and own[0].level is r.level else None
         rows.append(CheckRow(r.id, r.group, r.title, r.level, r.summary, r.hint,
-                             mutes.get(r.id), since, tuple(own)))
+                             mutes.get(r.id), since, tuple(own), r.judged))
     return rows
 
 
 def overall(snapshot: HealthSnapshot, rows: Sequence[CheckRow]) -> Overall:
     failing = sorted((row for row in rows if row.counts), key=lambda row: -row.level)
     level = max((row.level for row in failing), default=Level.OK)
+    unchecked = sum(row.shown == "unchecked" and not row.muted for row in rows)
     return Overall(level, snapshot.at, tuple(failing), sum(row.muted for row in rows),
-                   len(rows))
+                   len(rows), unchecked)
 
 
 @dataclass(frozen=True)
@@ -134,7 +151,13 @@ class Group:
 
     @property
     def passing(self) -> tuple[CheckRow, ...]:
-        return tuple(r for r in self.rows if r.level is Level.OK and not r.muted)
+        """Passing and not-checked rows, folded: the passing ones first."""
+        rest = [r for r in self.rows if r.level is Level.OK and not r.muted]
+        return tuple(sorted(rest, key=lambda r: r.shown == "unchecked"))
+
+    @property
+    def unchecked(self) -> int:
+        return sum(r.shown == "unchecked" for r in self.passing)
 
 
 def groups(rows: Sequence[CheckRow]) -> list[Group]:
