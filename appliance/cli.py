@@ -349,14 +349,18 @@ def _run(argv: Sequence[str] | None) -> int:
             from appliance.engine import cli as engine_cli
 
             # A log someone sent needs no daemon and no configuration to be read.
-            return engine_cli.parse_log(args.file, as_json=args.json)
+            return engine_cli.parse_log(args.file, as_json=args.json, run=args.run)
         if args.command == "engine" and args.engine_command == "exec-spec" and args.spec:
             from appliance.engine import cli as engine_cli
 
             # The engine unit runs this as its own user, which may not write the daemon's
             # state or log directories (ProtectSystem=strict): the spec is all it needs.
             engine_cli.exec_spec(args.spec, args.engines_dir)
-        config = load_config(getattr(args, "config", None), dev=getattr(args, "dev", False))
+        # `tune` reads no state of the box unless asked: with every input on the command
+        # line it needs no configuration file, like `engine parse-log`.
+        reads_only = args.command == "tune"
+        config = load_config(getattr(args, "config", None), dev=getattr(args, "dev", False),
+                             default_file_optional=reads_only, check_dirs=not reads_only)
         logging.basicConfig(level=config.logging.level.upper(),
                             format="%(levelname)s %(name)s: %(message)s")
         # Alembic narrates every connection at INFO; `migrate` prints its own summary.

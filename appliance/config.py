@@ -140,6 +140,8 @@ class AuthConfig:
     session_max_hours: int = _key(12, _positive, "a session ends this long after login")
     login_max_failures: int = _key(5, _positive, "failures per user+address before 429")
     login_window_seconds: int = _key(60, _positive, "window in which failures are counted")
+    failed_login_retention_days: int = _key(
+        30, _positive, "failed and refused login audit entries are deleted after this")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +256,9 @@ class WeightsConfig:
     hash_workers: int = _key(4, _positive, "files hashed at once by a full verification")
     prewarm: bool = _key(True, doc="read the shards into the page cache before a launch "
                                    "when host RAM comfortably exceeds the model")
+    auto_refetch: bool = _key(False, doc="fetch files a full verification found damaged "
+                                         "again at once (off: verify reports and quarantines; "
+                                         "the operator starts the refetch)")
 
 
 def _version(value: str) -> str | None:
@@ -276,6 +281,25 @@ class GpuConfig:
 def _url_or_empty(value: str) -> str | None:
     ok = value == "" or value.startswith(("http://", "https://"))
     return None if ok else "empty (no webhook) or an http:// or https:// URL"
+
+
+def mask_webhook(value: str) -> str:
+    """A webhook URL fit to show: scheme and host only. Webhook URLs usually carry their secret
+    in the path or query (Slack, Teams, ntfy), sometimes as user:password@."""
+    from urllib.parse import urlsplit
+
+    if not value:
+        return value
+    try:
+        parts = urlsplit(value)
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        return "***"
+    if ":" in host:
+        host = f"[{host}]"
+    hidden = parts.path not in ("", "/") or parts.query or parts.fragment or "@" in parts.netloc
+    return f"{parts.scheme}://{host}{port}" + ("/***" if hidden else parts.path)
 
 
 def _percent(value: int) -> str | None:
@@ -310,7 +334,8 @@ class HealthConfig:
     daemon_rss_warn_mib: int = _key(2048, _positive, "the daemon's own memory that warns")
     history_fine_hours: int = _key(24, _positive, "fine samples kept this long")
     history_hourly_days: int = _key(30, _positive, "hourly roll-ups kept this long")
-    webhook_url: str = _key("", _url_or_empty, "alerts are POSTed here as JSON; empty: none")
+    webhook_url: str = _key("", _url_or_empty, "alerts are POSTed here as JSON; empty: none",
+                            show=mask_webhook)
     webhook_retries: int = _key(5, _nonnegative, "delivery retries (backoff doubles)")
     metrics_public: bool = _key(True, doc="serve /metrics without a login (for Prometheus); "
                                 "false: an admin API token is needed")
@@ -407,15 +432,19 @@ def load_config(
     dev: bool = False,
     dev_root: Path = DEV_ROOT,
     check_dirs: bool = True,
+    default_file_optional: bool = False,
 ) -> Config:
     """Read, merge and validate the configuration. Raises `ConfigError` on the first problem.
 
     Order (later wins): built-in defaults, the `--dev` profile, the TOML file, environment.
     A missing file is an error only when the path was given explicitly or is the production
-    default outside `--dev`.
+    default outside `--dev` (unless `default_file_optional`: commands that need nothing of
+    the box, such as `tune predict` with every input given, run on a laptop too).
     """
     env = os.environ if env is None else env
     file_path = path if path is not None else (None if dev else DEFAULT_CONFIG_PATH)
+    if path is None and default_file_optional and not DEFAULT_CONFIG_PATH.exists():
+        file_path = None
     raw: dict[str, Any] = {}
     source = "built-in defaults"
     if file_path is not None:

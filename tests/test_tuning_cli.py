@@ -101,7 +101,7 @@ def test_flags_left_out_come_from_the_configuration(box: Path) -> None:
      "linear_attn_config.num_heads (96) is not divisible by --tp 7"),
     (["--model-config", str(K3), "--budget-gib", "50", "--spec", "dspark"], 64,
      "pass the draft's config.json (--draft-config)"),
-    (["--model-config", str(K3)], 64, "no budget: give --budget-gib or --from-log"),
+    (["--model-config", str(K3)], 64, "no budget: the engine has not started on this box yet"),
     (["--model-config", str(K3), "--budget-gib", "0"], 64, "--budget-gib 0.0 is not a positive"),
     (["--model-config", str(K3), "--from-log", "/nonexistent.log"], 64,
      "/nonexistent.log: cannot be read"),
@@ -131,3 +131,46 @@ def test_a_log_without_weight_lines_is_a_data_error(box: Path, tmp_path: Path) -
     code, _, err = predict(box, "--model-config", str(K3), "--from-log", str(log))
     assert code == 65
     assert "no 'Load weight begin/end ... avail mem' lines" in err
+
+
+def with_runner(box: Path, runner: str) -> Path:
+    box.write_text(box.read_text() + f'\n[engine]\nrunner = "{runner}"\n')
+    return box
+
+
+def test_recommend_takes_the_budget_and_current_ratio_from_this_boxs_last_start(
+        box: Path) -> None:
+    """The README's `tune recommend --profile coding-agent` on a box that has started its
+    engine: budget and launch from the latest start in the engine log, and "current" is the
+    ratio that engine runs with, not the configuration's default."""
+    with_runner(box, "process")
+    log = box.parent / "log" / "engine.log"
+    log.parent.mkdir(parents=True)
+    ratio = LOG.read_text().split("mamba_full_memory_ratio=")[1].split(",")[0]
+    log.write_text(LOG.read_text().replace(f"mamba_full_memory_ratio={ratio}",
+                                           "mamba_full_memory_ratio=3.5"))
+    result = run_cli("--config", str(box), "tune", "recommend", "--profile", "coding-agent",
+                     "--model-config", str(K3))
+    assert result.returncode == 0, result.stderr
+    assert f"the engine's last start on this box ({log})" in result.stdout
+    assert "current ratio            3.5      (the running engine's)" in result.stdout
+
+
+def test_recommend_on_a_box_that_never_started_says_so(box: Path) -> None:
+    with_runner(box, "process")
+    result = run_cli("--config", str(box), "tune", "recommend", "--profile", "coding-agent",
+                     "--model-config", str(K3))
+    assert result.returncode == 64
+    assert "the engine has not started on this box yet" in result.stderr
+    assert "--budget-gib" in result.stderr
+
+
+def test_predict_with_every_input_given_needs_no_configuration_file(tmp_path: Path) -> None:
+    from appliance.config import DEFAULT_CONFIG_PATH
+
+    if DEFAULT_CONFIG_PATH.exists():
+        pytest.skip(f"{DEFAULT_CONFIG_PATH} exists on this machine")
+    result = run_cli("tune", "predict", "--model-config", str(K3), "--from-log", str(LOG))
+    assert result.returncode == 0, result.stderr
+    assert "budget" in result.stdout
+    assert not DEFAULT_CONFIG_PATH.exists()

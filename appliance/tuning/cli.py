@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -161,9 +161,36 @@ def read_log(path: Path) -> str:
                              exit_code=EX_USAGE) from None
 
 
-def budget_from_args(args: argparse.Namespace, log_text: str | None = None) -> Budget:
-    """--budget-gib as given, else the budget measured from --from-log (`log_text` when the
-    caller has read it already)."""
+@dataclass(frozen=True)
+class LogInput:
+    """The startup log a command reads: `--from-log`, or this box's own engine log."""
+
+    text: str
+    source: str  # how the output names it
+    own: bool  # this box's engine log (its last start), not a file given on the command line
+
+
+def log_input(args: argparse.Namespace, config: Config) -> LogInput | None:
+    """`--from-log` when given; else, when no `--budget-gib` either, the engine log of this
+    box's last start (where the configured runner puts it); None when there is none."""
+    if args.from_log is not None:
+        return LogInput(read_log(args.from_log), str(args.from_log), own=False)
+    if args.budget_gib is not None:
+        return None
+    from appliance.runtime import engine_runner
+
+    path = engine_runner(config).engine_log(config.paths.log_dir)
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    return LogInput(text, f"the engine's last start on this box ({path})", own=True)
+
+
+def budget_from_args(args: argparse.Namespace, log_text: str | None = None,
+                     source: str | None = None) -> Budget:
+    """--budget-gib as given, else the budget measured from a startup log: `log_text` (read
+    by the caller: --from-log, or this box's own last start, named by `source`)."""
     if args.budget_gib is not None:
         if not args.budget_gib > 0:
             raise ApplianceError("tune_bad_input", f"--budget-gib {args.budget_gib} is not a "
@@ -171,17 +198,17 @@ def budget_from_args(args: argparse.Namespace, log_text: str | None = None) -> B
                                  exit_code=EX_USAGE)
         return Budget(int(args.budget_gib * GIB), False,
                       f"given: --budget-gib {args.budget_gib:g}")
-    if args.from_log is None:
-        raise ApplianceError("tune_bad_input", "no budget: give --budget-gib or --from-log",
-                             "--from-log reads an SGLang startup log of this box; "
-                             "--budget-gib states the GiB per GPU left for the pools",
-                             exit_code=EX_USAGE)
+    if log_text is None and args.from_log is None:
+        raise ApplianceError(
+            "tune_bad_input", "no budget: the engine has not started on this box yet, so "
+            "there is no startup to measure", "give --budget-gib (the GiB per GPU left for "
+            "the pools) or --from-log (an SGLang startup log)", exit_code=EX_USAGE)
     text = log_text if log_text is not None else read_log(args.from_log)
-    budget = budget_from_log(text, source=str(args.from_log),
-                             mem_fraction_static=args.mem_fraction_static)
+    where = source or str(args.from_log)
+    budget = budget_from_log(text, source=where, mem_fraction_static=args.mem_fraction_static)
     if budget is None:
         raise ApplianceError(
-            "tune_bad_input", f"{args.from_log}: no 'Load weight begin/end ... avail mem' "
+            "tune_bad_input", f"{where}: no 'Load weight begin/end ... avail mem' "
             "lines, or no mem_fraction_static in its server_args line",
             "use the log of a startup that got past loading weights, or pass "
             "--mem-fraction-static / --budget-gib", exit_code=EX_DATAERR)
@@ -199,11 +226,11 @@ def _add_predict(cmd: argparse.ArgumentParser) -> None:
 
 
 def predict(args: argparse.Namespace, config: Config) -> int:
-    log_text = read_log(args.from_log) if args.from_log is not None else None
-    logged = settings_from_log(log_text) if log_text is not None else {}
+    log = log_input(args, config)
+    logged = settings_from_log(log.text) if log is not None else {}
     geometry, path = geometry_from_args(args, config)
     launch = launch_from_args(args, config, geometry, path, logged)
-    budget = budget_from_args(args, log_text)
+    budget = budget_from_args(args, log.text if log else None, log.source if log else None)
     ratio = args.ratio if args.ratio is not None else logged.get(
         "ratio", config.engine.mamba_full_memory_ratio)
     sizing = size_pools(geometry, launch, budget.bytes, ratio)
@@ -258,7 +285,8 @@ def _add_recommend(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--profile", required=True,
                      help="a built-in or custom profile (see `appliance tune profiles`)")
     cmd.add_argument("--current-ratio", type=float,
-                     help="the ratio to compare with (default engine.mamba_full_memory_ratio)")
+                     help="the ratio to compare with (default: the one the engine's last start "
+                          "on this box used, else engine.mamba_full_memory_ratio)")
     cmd.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -267,14 +295,20 @@ def recommend_command(args: argparse.Namespace, config: Config) -> int:
     from appliance.tuning.recommend import recommend
 
     profile = _find_profile(config, args.profile)
-    log_text = read_log(args.from_log) if args.from_log is not None else None
-    logged = settings_from_log(log_text) if log_text is not None else {}
+    log = log_input(args, config)
+    logged = settings_from_log(log.text) if log is not None else {}
     geometry, path = _recommend_geometry(args, config)
     launch = launch_from_args(args, config, geometry, path, logged)  # as `predict` does
-    budget = budget_from_args(args, log_text)
-    # "Current" is what the next engine start uses: the configured ratio, not the logged one.
+    budget = budget_from_args(args, log.text if log else None, log.source if log else None)
+    # "Current" is the ratio the engine runs with: what this box's last start logged; the
+    # configured one only when the engine has not started here (or a foreign log was given).
+    running = logged.get("ratio") if log is not None and log.own else None
     current = (args.current_ratio if args.current_ratio is not None
+               else running if running is not None
                else config.engine.mamba_full_memory_ratio)
+    current_from = ("given" if args.current_ratio is not None
+                    else "the running engine's" if running is not None
+                    else "the configured")
     rec = recommend(geometry, launch, budget.bytes, profile.lengths,
                     target_concurrency=profile.target_concurrency, current_ratio=current)
     if args.json:
@@ -293,7 +327,7 @@ def recommend_command(args: argparse.Namespace, config: Config) -> int:
               else "none")
     rows = [
         ("recommended ratio", f"{rec.ratio:g}", limits(rec.recommended)),
-        ("current ratio", f"{rec.current_ratio:g}", limits(rec.current)),
+        ("current ratio", f"{rec.current_ratio:g}", f"({current_from}) " + limits(rec.current)),
         ("gain", f"{rec.gain:+d}", "concurrent requests over the current ratio"),
         ("balanced ratio", "-" if rec.balanced_ratio is None else f"{rec.balanced_ratio:g}",
          "where the state limit meets the KV limit"),
@@ -307,7 +341,7 @@ def recommend_command(args: argparse.Namespace, config: Config) -> int:
         "concurrent",
         f"{geometry.model_type}: TP{launch.tp} DCP{launch.dcp}, KV {launch.kv_dtype}, SSM "
         f"{launch.ssm_dtype}; budget {budget.gib:.2f} GiB per GPU "
-        f"({'measured' if budget.measured else 'given or estimated'})", "",
+        f"({'measured' if budget.measured else 'given or estimated'}: {budget.detail})", "",
         *(f"  {label:<24} {value:<8} {note}" for label, value, note in rows), "",
         f"gives up: {rec.gives_up}",
     ]
