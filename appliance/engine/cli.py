@@ -49,6 +49,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                                   help="diagnose any SGLang log file (no daemon needed)")
     parse.add_argument("file", type=Path)
     parse.add_argument("--json", action="store_true")
+    parse.add_argument("--run", type=_run_choice, default="latest", metavar="N|latest|all",
+                       help="which engine run of the log to read: each launch appends one "
+                            "(default: the latest; all: each in turn)")
     run = engine_sub.add_parser("exec-spec", parents=[common],
                                 help="exec the launch spec (appliance-engine.service's ExecStart)")
     run.add_argument("--spec", type=Path)
@@ -60,7 +63,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, config: Config) -> int:
     command = args.engine_command
     if command == "parse-log":
-        return parse_log(args.file, as_json=args.json)
+        return parse_log(args.file, as_json=args.json, run=args.run)
     if command == "exec-spec":
         return exec_spec(args.spec or config.paths.state_dir / "engine" / "launch-spec.json",
                          args.engines_dir)
@@ -92,16 +95,43 @@ def _when(text: str) -> dt.datetime:
     return moment
 
 
-def parse_log(path: Path, *, as_json: bool) -> int:
-    from appliance.engine.logparse import parse_text
-    from appliance.engine.logreport import render_json, render_text
+def _run_choice(text: str) -> int | str:
+    """`--run`: a run number from 1, `latest` or `all`."""
+    if text in ("latest", "all"):
+        return text
+    try:
+        number = int(text)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a run: give its number (1 is the log's first), latest or all")
+    return number
+
+
+def parse_log(path: Path, *, as_json: bool, run: int | str = "latest") -> int:
+    """Report one run of the log (the latest unless `run` names another) or, with
+    run="all", every run in turn, each labelled with its number and start."""
+    from appliance.engine.logparse import parse_runs, parse_text
+    from appliance.engine.logreport import render_json, render_runs_text, render_text
 
     try:
         text = path.read_bytes().decode("utf-8", errors="replace")
     except OSError as exc:
         raise ApplianceError("log_unreadable", f"cannot read {path}: {exc.strerror or exc}",
                              "give the path of an SGLang log file", exit_code=EX_USAGE) from None
-    state = parse_text(text)
+    if run == "all":
+        states = parse_runs(text)
+        print(json.dumps([render_json(state) for state in states], indent=2) if as_json
+              else render_runs_text(states))
+        return 0
+    try:
+        state = parse_text(text, -1 if run == "latest" else int(run))
+    except ValueError as exc:
+        raise ApplianceError(
+            "log_run_missing", f"{path}: {exc}",
+            "give --run a number the log holds (see --run all), latest or all",
+            exit_code=EX_USAGE) from None
     print(json.dumps(render_json(state), indent=2) if as_json else render_text(state))
     return 0
 

@@ -41,6 +41,15 @@ Decisions the log format forces:
   `bad_argument`: the same launch fails the same way, so the supervisor should not retry it.
 - A log line written while rank 0's bar was unfinished lands on the bar's physical line; each
   record is cut before any embedded `[YYYY-MM-DD HH:MM:SS` and after a complete shard bar.
+- **One log, several runs.** Every launch appends to the same file, so figures are only ever
+  folded from one run's text (`split_runs`; `parse_text` takes the latest unless told
+  otherwise). A run starts at the main process's `server_args=` line, or at argparse's
+  `usage: ` (a launch refused before `server_args`). The records the main process logs while
+  it resolves its arguments (`Max running requests is reset to ...`, `Kimi-K3 DCP ...`, the
+  engine emulator's banner) come just before `server_args=` and start its run with them.
+  Text before the first marker (a log whose head was rotated away) is a run of its own,
+  `marked=False`. A `ValueError` traceback SGLang prints before `server_args` has no marker:
+  it reads as the tail of the run before it.
 
 Long for one reason: it is the whole grammar of one log format (markers, `server_args`, the
 failure table), so a new SGLang release's wording changes are one file's diff.
@@ -52,7 +61,7 @@ import enum
 import itertools
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 
@@ -209,6 +218,9 @@ class LogState:
     lines: int = 0
     last_timestamp: str | None = None
     last_rank: int | None = None
+    # Which run of the file this was folded from (`parse_text`); None for a stream followed
+    # from a launch's own offset. Metadata, not a figure: equality ignores it.
+    origin: RunOrigin | None = field(default=None, compare=False)
 
     @property
     def kv_token_capacity(self) -> int | None:
@@ -246,13 +258,155 @@ def feed(state: LogState, record: str) -> LogState:
     return new if new.lines == lines else replace(new, lines=lines)
 
 
-def parse_text(text: str) -> LogState:
-    """Split `text` into records the way `LineSplitter` does and fold them all."""
+def parse_text(text: str, run: int = -1) -> LogState:
+    """Fold one run of `text` (split into records the way `LineSplitter` does): `run` is its
+    1-based number in file order, or counts back from the latest when negative (-1, the
+    default, is the latest). The state's `origin` says which run it is. Raises ValueError,
+    naming how many runs there are, for a run the text does not hold."""
+    bounds = _run_bounds(text)
+    index = run - 1 if run > 0 else len(bounds) + run
+    if run == 0 or not 0 <= index < len(bounds):
+        raise ValueError(f"the log holds {_runs_phrase(len(bounds))}; there is no run {run}")
+    return _parse_run(text, bounds, index)
+
+
+def parse_runs(text: str) -> list[LogState]:
+    """Every run of `text`, each folded on its own, in file order."""
+    bounds = _run_bounds(text)
+    return [_parse_run(text, bounds, index) for index in range(len(bounds))]
+
+
+def _parse_run(text: str, bounds: list[_Bound], index: int) -> LogState:
+    bound = bounds[index]
+    end = bounds[index + 1].offset if index + 1 < len(bounds) else len(text)
     splitter = LineSplitter()
-    state = initial()
-    for record in [*splitter.feed(text), *splitter.flush()]:
+    state = replace(initial(), origin=bound.origin(len(bounds)))
+    for record in [*splitter.feed(text[bound.offset:end]), *splitter.flush()]:
         state = feed(state, record)
     return state
+
+
+# --- Runs -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunOrigin:
+    """Which run of a log a `LogState` was folded from, for labelling what is shown.
+
+    `number` is 1-based in file order, of `of` runs; `started_at` is the log timestamp of the
+    run's first record (SGLang writes the box's local time, without a zone); `start_line` the
+    1-based physical line it starts on; `marked` is False for text before any start marker.
+    """
+
+    number: int
+    of: int
+    started_at: str | None
+    start_line: int
+    marked: bool = True
+
+    @property
+    def label(self) -> str:
+        """`run 3 of 3, started 2026-11-30 09:00:00 local time, at line 1,234`."""
+        parts = [f"run {self.number} of {self.of}"]
+        if self.started_at is not None:
+            parts.append(f"started {self.started_at} local time")
+        parts.append(f"at line {self.start_line:,}")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class RunText:
+    """One run's part of a log: its `origin` and its text (see the module docstring)."""
+
+    origin: RunOrigin
+    text: str
+    launched: bool  # the main process logged its `server_args=` line
+
+    @property
+    def number(self) -> int:
+        return self.origin.number
+
+
+def split_runs(text: str) -> list[RunText]:
+    """The runs `text` holds, in file order; always at least one (an empty text is one empty,
+    unmarked run). Pure; the texts concatenate back to `text` minus blank leading text."""
+    bounds = _run_bounds(text)
+    ends = [bound.offset for bound in bounds[1:]] + [len(text)]
+    return [RunText(bound.origin(len(bounds)), text[bound.offset:end], bound.launched)
+            for bound, end in zip(bounds, ends, strict=True)]
+
+
+@dataclass
+class _Bound:
+    offset: int
+    line: int
+    started_at: str | None
+    marked: bool
+    launched: bool
+    number: int = 0
+
+    def origin(self, of: int) -> RunOrigin:
+        return RunOrigin(self.number, of, self.started_at, self.line, self.marked)
+
+
+# The main process's records have no rank parts: `[ts] server_args=...`.
+_RUN_MARK = re.compile(
+    r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d{1,6})?\] ?(?P<args>server_args=)"
+    r"|(?:^|(?<=[\r\n]))usage: ",
+    re.M,
+)
+# What the main process logs while it resolves its arguments, before `server_args=`.
+_PRELAUNCH = re.compile(
+    r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d{1,6})?\] ?"
+    r"(?:Max running requests is reset to|Kimi-K3 DCP |Kimi-K3 DSPARK|Could not resolve DFLASH"
+    r"|fake_sglang: SGLang )"
+)
+_PRELAUNCH_RECORDS = 64  # how far back from `server_args=` a launch's own records may go
+
+
+def _run_bounds(text: str) -> list[_Bound]:
+    bounds: list[_Bound] = []
+    for mark in _RUN_MARK.finditer(text):
+        floor = bounds[-1].offset + 1 if bounds else 0
+        launched = mark.group("args") is not None
+        start = _launch_start(text, mark.start(), floor) if launched else mark.start()
+        bounds.append(_Bound(start, 0, None, True, launched))
+    if not bounds or text[:bounds[0].offset].strip():
+        bounds.insert(0, _Bound(0, 0, None, False, False))
+    line, counted = 1, 0
+    for number, bound in enumerate(bounds, start=1):
+        line += text.count("\n", counted, bound.offset)
+        counted = bound.offset
+        end = bounds[number].offset if number < len(bounds) else len(text)
+        stamp = _PREFIX.search(text, bound.offset, min(end, bound.offset + (64 << 10)))
+        bound.number, bound.line = number, line
+        bound.started_at = stamp.group(1)[:19] if stamp else None
+    return bounds
+
+
+def _launch_start(text: str, start: int, floor: int) -> int:
+    """Where the launch whose `server_args=` record starts at `start` began: back over the
+    whole records just before it that the main process logs while resolving its arguments.
+    Like `_fragments`, a record may begin mid-line, glued after an unfinished tqdm bar."""
+    for _ in range(_PRELAUNCH_RECORDS):
+        end = start
+        while end > floor and text[end - 1] in "\r\n":
+            end -= 1
+        if end == start or end <= floor:
+            break  # glued to an unfinished bar, or nothing before it
+        line = max(text.rfind("\n", floor, end), text.rfind("\r", floor, end)) + 1
+        begin = max((m.start() for m in _TIMESTAMP_START.finditer(text, line, end)),
+                    default=line)
+        if _PRELAUNCH.match(text, begin, end) is None:
+            break
+        start = begin
+        if begin > line:
+            break  # what precedes it on its line is the run before
+    return start
+
+
+def _runs_phrase(count: int) -> str:
+    return f"{count} run" if count == 1 else f"{count} runs"
 
 
 # --- Record anatomy ---------------------------------------------------------------------------

@@ -5,13 +5,18 @@ weight progress, the per-rank memory table, the logical KV capacity, launch figu
 and, on failure, the classified reason, rank and the operator's next step. `render_json` is the
 same content as plain dicts, lists, str, int, float, bool and None, ready for `json.dumps`, the
 admin API and the run record. Both are pure and never raise on a valid `LogState`.
+
+A log holds every run appended to it; a state is folded from one run only, and says which
+(`LogState.origin`). The text report opens with that run's label, and each figure group names
+its run when the log holds more than one, so a pasted fragment still says where it came from.
+`render_runs_text` renders several runs in turn, each under its own label.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from appliance.engine.logparse import LogState, Phase, RankMemory
+from appliance.engine.logparse import LogState, Phase, RankMemory, RunOrigin
 
 TIMES = "\u00d7"  # the multiplication sign, spelled out so linters do not take it for an x
 
@@ -19,23 +24,27 @@ TIMES = "\u00d7"  # the multiplication sign, spelled out so linters do not take 
 def render_text(state: LogState) -> str:
     """A plain-text report, one fact per line, for a terminal or a support ticket."""
     out: list[str] = []
+    origin = state.origin
+    tag = f" (run {origin.number})" if origin is not None and origin.of > 1 else ""
+    if origin is not None:
+        out.append(f"Log: {origin.label}{_unmarked(origin)}")
     if state.ready:
-        out.append("Ready: yes (\"The server is fired up and ready to roll!\" seen)")
+        out.append(f"Ready{tag}: yes (\"The server is fired up and ready to roll!\" seen)")
     else:
-        out.append(f"Ready: no (last phase reached: {state.phase.name})")
-    out.append("Phases:")
+        out.append(f"Ready{tag}: no (last phase reached: {state.phase.name})")
+    out.append(f"Phases{tag}:")
     out += [f"  {phase.name:<17} {at or '(no timestamp)'}" for phase, at in state.phases]
-    out += _weights(state)
-    out += _memory_table(state)
+    out += _weights(state, tag)
+    out += _memory_table(state, tag)
     capacity = state.kv_token_capacity
     rank0 = state.rank(0)
     if capacity is not None and rank0 is not None and rank0.kv_tokens is not None:
-        out.append(f"Logical KV capacity: {rank0.kv_tokens:,} tokens per rank {TIMES} "
+        out.append(f"Logical KV capacity{tag}: {rank0.kv_tokens:,} tokens per rank {TIMES} "
                    f"DCP{state.dcp_size} = {capacity:,} tokens")
-    out.append(f"Parallelism: TP{state.tp_size}, DCP{state.dcp_size}")
+    out.append(f"Parallelism{tag}: TP{state.tp_size}, DCP{state.dcp_size}")
     figures = state.figures
     if figures is not None:
-        out.append("Launch figures:")
+        out.append(f"Launch figures{tag}:")
         out.append(f"  max_total_num_tokens   {figures.max_total_num_tokens:,} (per rank)")
         out.append(f"  max_running_requests   {figures.max_running_requests:,}")
         out.append(f"  context_len            {figures.context_len:,}")
@@ -44,23 +53,29 @@ def render_text(state: LogState) -> str:
         out.append(f"  available_gpu_mem      {_gb(figures.available_gpu_mem_gb)} GB")
     if state.startup_timings:
         timings = ", ".join(f"{key}={value:.2f}" for key, value in state.startup_timings)
-        out.append(f"Startup timings (s): {timings}")
+        out.append(f"Startup timings (s){tag}: {timings}")
     if state.warnings:
-        out.append("Warnings:")
+        out.append(f"Warnings{tag}:")
         out += [f"  - {warning}" for warning in state.warnings]
     failure = state.failure
     if failure is None:
-        out.append("Failure: none seen")
+        out.append(f"Failure{tag}: none seen")
     else:
         where = f" on TP{failure.rank}" if failure.rank is not None else ""
-        out.append(f"Failure: {failure.reason}{where}")
+        out.append(f"Failure{tag}: {failure.reason}{where}")
         out.append(f"  line:   {failure.line}")
         if failure.detail:
             out.append(f"  detail: {failure.detail}")
         out.append(f"  next:   {failure.hint}")
     last = state.last_timestamp or "none"
-    out.append(f"Records read: {state.lines:,} (last timestamp: {last})")
+    out.append(f"Records read{tag}: {state.lines:,} (last timestamp: {last})")
     return "\n".join(out) + "\n"
+
+
+def render_runs_text(states: list[LogState]) -> str:
+    """Several runs' reports in turn, each opening with its own run label, a rule between
+    them."""
+    return ("\n" + "-" * 40 + "\n").join(render_text(state) for state in states)
 
 
 def render_json(state: LogState) -> dict[str, Any]:
@@ -68,6 +83,7 @@ def render_json(state: LogState) -> dict[str, Any]:
     failure = state.failure
     figures = state.figures
     return {
+        "run": _origin_json(state.origin),
         "phase": state.phase.name,
         "ready": state.ready,
         "phases": [{"phase": phase.name, "at": at} for phase, at in state.phases],
@@ -102,22 +118,35 @@ def render_json(state: LogState) -> dict[str, Any]:
     }
 
 
-def _weights(state: LogState) -> list[str]:
+def _unmarked(origin: RunOrigin) -> str:
+    if origin.marked:
+        return ""
+    return " (no start line before it: the log begins inside a run)"
+
+
+def _origin_json(origin: RunOrigin | None) -> dict[str, Any] | None:
+    if origin is None:
+        return None
+    return {"number": origin.number, "of": origin.of, "started_at": origin.started_at,
+            "start_line": origin.start_line, "label": origin.label}
+
+
+def _weights(state: LogState, tag: str) -> list[str]:
     lines: list[str] = []
     if state.shards_total is not None or state.phase.value >= Phase.LOADING_WEIGHTS.value:
         total = state.shards_total if state.shards_total is not None else "?"
         took = (f", loaded in {_duration(state.weight_load_seconds)}"
                 if state.weight_load_seconds is not None else "")
-        lines.append(f"Weights: {state.shards_done}/{total} shards{took}")
+        lines.append(f"Weights{tag}: {state.shards_done}/{total} shards{took}")
     if state.draft_shards_total is not None or state.draft_weight_load_seconds is not None:
         total = state.draft_shards_total if state.draft_shards_total is not None else "?"
         took = (f", loaded in {_duration(state.draft_weight_load_seconds)}"
                 if state.draft_weight_load_seconds is not None else "")
-        lines.append(f"Draft weights: {state.draft_shards_done}/{total} shards{took}")
+        lines.append(f"Draft weights{tag}: {state.draft_shards_done}/{total} shards{took}")
     return lines
 
 
-def _memory_table(state: LogState) -> list[str]:
+def _memory_table(state: LogState, tag: str) -> list[str]:
     if not state.ranks:
         return []
     draft = any(m.draft_weights_gb is not None or m.draft_kv_gb is not None for m in state.ranks)
@@ -135,7 +164,8 @@ def _memory_table(state: LogState) -> list[str]:
         rows.append(row)
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
     dtypes = sorted({m.kv_dtype for m in state.ranks if m.kv_dtype is not None})
-    title = "Memory per rank" + (f" (MLA KV dtype {', '.join(dtypes)})" if dtypes else "") + ":"
+    title = f"Memory per rank{tag}" + (
+        f" (MLA KV dtype {', '.join(dtypes)})" if dtypes else "") + ":"
     return [title, *("  " + "  ".join(cell.rjust(width) for cell, width in zip(
         row, widths, strict=True)) for row in rows)]
 

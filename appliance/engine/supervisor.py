@@ -717,19 +717,21 @@ class Supervisor:
             self.submit(Command.START, "supervisor").add_done_callback(_retrieve)
 
     def _parse_whole(self, path: Path, start: int) -> logparse.LogState:
+        """The latest run in the log from `start` on: every launch appends to the same file,
+        and figures folded across runs would mix one run's phases with another's memory."""
         try:
             with path.open("rb") as handle:
                 handle.seek(start)
                 text = handle.read().decode("utf-8", errors="replace")
         except OSError:
             return logparse.initial()
-        return logparse.parse_text(text)
+        return logparse.parse_text(text, run=-1)
 
     async def _adopt(self, run: RunRecord, ident: EngineIdentity) -> None:
         log_path = Path(ident.log_path)
         size = log_path.stat().st_size if log_path.exists() else 0
-        # The run's log starts where this launch began appending; the whole file is a
-        # superset, and the parser's phases never go backwards, so reading it all is safe.
+        # The run's log starts where this launch began appending; the file holds earlier
+        # runs before it, so only its latest run (this engine's) is folded.
         parsed = await asyncio.to_thread(self._parse_whole, log_path, 0)
         spec = LaunchSpec.from_json(run.spec_json) if run.spec_json != "{}" else None
         live = _Live(run=run, ident=ident, spec=spec, offset=size, parsed=parsed,

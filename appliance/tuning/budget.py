@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.engine.logparse import parse_text
+from appliance.engine.logparse import parse_text, split_runs
 from appliance.errors import EX_DATAERR, ApplianceError
 from appliance.tuning.calculator import (
     GIB,
@@ -96,9 +96,11 @@ def budget_from_log(text: str, *, source: str = "the startup log",
     """The budget an SGLang startup log shows; None when its weight-load lines (or the
     `server_args` line's mem_fraction_static, unless given) are absent.
 
-    Ranks are reduced with `min`, as SGLang's all-reduce does. `source` names the log in
-    `detail` (e.g. "the startup of run 12").
+    Only the latest run of `text` counts (each launch appends to the same log). Ranks are
+    reduced with `min`, as SGLang's all-reduce does. `source` names the log in `detail` (e.g.
+    "the startup of run 12").
     """
+    text = split_runs(text)[-1].text  # an appended log: the latest run's figures only
     mfs = mem_fraction_static
     if mfs is None:
         mfs = _float(parse_text(text).server_arg("mem_fraction_static"))
@@ -209,7 +211,8 @@ _LOGGED: dict[str, tuple[str, Callable[[str], Any]]] = {
 def settings_from_log(text: str) -> dict[str, Any]:
     """The sizing flags a startup log's `server_args` line states, keyed by `Launch` field
     (and "ratio"), parsed; flags the line leaves out or prints as None are absent. A strategy
-    of "auto" is left out (the caller's resolution of it stands)."""
+    of "auto" is left out (the caller's resolution of it stands). Only the latest run of an
+    appended log counts (`parse_text`'s default)."""
     state = parse_text(text)
     out: dict[str, Any] = {}
     for key, (field, convert) in _LOGGED.items():

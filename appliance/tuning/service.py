@@ -32,6 +32,7 @@ from appliance.config import Config
 from appliance.db.database import Database
 from appliance.db.models import UsageRequest
 from appliance.engine.args import LaunchSpec, model_dir
+from appliance.engine.logparse import split_runs
 from appliance.engine.records import list_runs
 from appliance.errors import ApplianceError
 from appliance.gateway.usage import OK_OUTCOMES, UsageRecord, records_between
@@ -328,7 +329,9 @@ def _chart_ratios(points: int = 61, low: float = 0.02, high: float = 50.0) -> Se
 
 
 def _last_startup(path: Path) -> str:
-    """The log from its last `server_args=` line on (the newest startup), or ""."""
+    """The text of the log's newest run that logged its `server_args=` line (the newest
+    startup), or "". A later launch refused before that line measured nothing, so the start
+    before it still stands."""
     try:
         with path.open("rb") as handle:
             handle.seek(0, 2)
@@ -337,7 +340,5 @@ def _last_startup(path: Path) -> str:
             text = handle.read().decode("utf-8", errors="replace")
     except OSError:
         return ""
-    start = text.rfind("server_args=")
-    if start < 0:
-        return ""
-    return text[text.rfind("\n", 0, start) + 1:]
+    started = [run for run in split_runs(text) if run.launched]
+    return started[-1].text if started else ""
