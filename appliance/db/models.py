@@ -287,6 +287,9 @@ class EngineStatusRow(Base):
     message: Mapped[str] = mapped_column(Text, nullable=False, default="")
     eta_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
+    # While a qualification runs (appliance.qualify): the gateway refuses users (503) until
+    # this instant. A lease the daemon renews, so a daemon that dies leaves it to lapse.
+    qualifying_until: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 class GatewayKey(Base):
@@ -371,3 +374,26 @@ class UsageDaily(_UsageRollup, Base):
     __table_args__ = (UniqueConstraint("bucket", "key_id", "model", name="uq_usage_daily"),)
 
     bucket: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False, index=True)
+
+
+class Qualification(Base):
+    """One qualification of the box (`appliance.qualify`): the launch spec it ran on (its
+    hash), what it ran with, every step measured (JSON, `verdict.Step.to_dict`) and the
+    verdict. `state`: running, done, cancelled, failed or interrupted (a daemon restart)."""
+
+    __tablename__ = "qualifications"
+    __table_args__ = (Index("ix_qualifications_spec", "spec_hash", "started_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    spec_hash: Mapped[str] = mapped_column(String(64), nullable=False)
+    state: Mapped[str] = mapped_column(String(16), nullable=False)
+    started_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
+    ended_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    started_by: Mapped[str] = mapped_column(String(128), nullable=False, default="")
+    engine_version: Mapped[str] = mapped_column(String(64), nullable=False, default="")
+    tuning: Mapped[str] = mapped_column(String(200), nullable=False, default="")
+    settings_json: Mapped[str] = mapped_column(Text, nullable=False)
+    steps_json: Mapped[str] = mapped_column(Text, nullable=False, default="[]")
+    qualified: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    verdict: Mapped[str] = mapped_column(Text, nullable=False, default="")
+    error: Mapped[str] = mapped_column(Text, nullable=False, default="")

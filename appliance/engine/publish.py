@@ -39,6 +39,13 @@ class Published:
     message: str
     eta_seconds: float | None
     updated_at: dt.datetime
+    # A qualification runs (appliance.qualify): refuse users (503) until then; None: open.
+    qualifying_until: dt.datetime | None = None
+
+    def qualifying(self, now: dt.datetime) -> bool:
+        """Whether the gateway must refuse users now because the box is being qualified (the
+        daemon renews the lease while it runs; one that lapsed means the daemon is gone)."""
+        return self.qualifying_until is not None and now < self.qualifying_until
 
     @property
     def admits_requests(self) -> bool:
@@ -62,7 +69,16 @@ def read_published(session: Session) -> Published | None:
     row = session.get(EngineStatusRow, ROW_ID)
     if row is None:
         return None
-    return Published(row.state, row.message, row.eta_seconds, row.updated_at)
+    return Published(row.state, row.message, row.eta_seconds, row.updated_at,
+                     row.qualifying_until)
+
+
+def write_qualifying(session: Session, until: dt.datetime | None) -> None:
+    """Close the gateway to users until `until` (a qualification's lease), or open it (None).
+    Without a row the engine was never published and the gateway refuses everyone anyway."""
+    row = session.get(EngineStatusRow, ROW_ID)
+    if row is not None:
+        row.qualifying_until = until
 
 
 class StatusPublisher:
