@@ -35,7 +35,7 @@ from appliance.health.engine_probe import EngineProbe, EngineWatcher
 from appliance.health.host_checks import read_host
 from appliance.health.monitor import HealthMonitor
 from appliance.resources import migrations_dir
-from appliance.secrets import server_secret
+from appliance.secrets import server_secret, write_engine_auth
 from appliance.tuning.service import TuningService
 from appliance.weights.service import WeightsService
 
@@ -113,9 +113,12 @@ def build_runtime(
     db = db or Database(config.database_url)
     gpus = gpus or NvmlGpus()
     weights = WeightsService(config, db, clock, transport=weights_transport)
+    # The engine's key, and its --config file for the next launch (appliance.secrets).
+    engine_key = write_engine_auth(config.paths.state_dir)
     supervisor = Supervisor(
         config=config, db=db, clock=clock, runner=runner or engine_runner(config), gpus=gpus,
-        client=EngineClient(f"http://127.0.0.1:{config.engine.port}"), weights=weights,
+        client=EngineClient(f"http://127.0.0.1:{config.engine.port}", api_key=engine_key),
+        weights=weights,
         poll_interval=engine_poll_seconds, backoff_base=engine_backoff_seconds,
     )
     weights.on_ready = lambda: start_when_waiting(supervisor)
@@ -123,7 +126,7 @@ def build_runtime(
     publisher = StatusPublisher(db, clock)
     supervisor.on_change(publisher.listen)
     health = build_health(config, db=db, clock=clock, gpus=gpus, supervisor=supervisor,
-                          engine_transport=engine_transport,
+                          engine_transport=engine_transport, engine_key=engine_key,
                           webhook_transport=webhook_transport,
                           webhook_base_delay=webhook_base_delay)
     return Runtime(
@@ -157,13 +160,15 @@ def build_health(
     gpus: GpuPort,
     supervisor: Supervisor,
     engine_transport: httpx.AsyncBaseTransport | None,
+    engine_key: str | None = None,
     webhook_transport: httpx.AsyncBaseTransport | None,
     webhook_base_delay: float,
 ) -> HealthMonitor:
     """The health monitor and its adapters: the engine probe (its own HTTP client, apart
     from the supervisor's), the host reader and the alert sender."""
     health = config.health
-    probe = EngineProbe(f"http://127.0.0.1:{config.engine.port}", transport=engine_transport)
+    probe = EngineProbe(f"http://127.0.0.1:{config.engine.port}", transport=engine_transport,
+                        api_key=engine_key)
     alerts = Alerts(db=db, clock=clock, url=health.webhook_url, retries=health.webhook_retries,
                     box=socket.gethostname(), version=__version__, transport=webhook_transport,
                     base_delay=webhook_base_delay)

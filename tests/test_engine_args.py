@@ -55,7 +55,8 @@ K3_DEFAULT = [
 
 def inputs(**changes: object) -> LaunchInputs:
     base = inputs_from_config(Config())
-    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+    # without the engine key's --config (tests/test_engine_api_key.py covers it)
+    return dataclasses.replace(base, **{"engine_auth": None, **changes})  # type: ignore[arg-type]
 
 
 def spec(**changes: object) -> LaunchSpec:
@@ -104,6 +105,7 @@ def test_inputs_from_config_maps_every_engine_setting(tmp_path: Path) -> None:
         profile_args=(("--max-running-requests", "64"),),
         tuning_args=(("--max-mamba-cache-size", "96"),),
         operator_args=("--watchdog-timeout", "600"),
+        engine_auth=config.paths.state_dir / "engine" / "engine-auth.yaml",
     )
     assert model_dir(Path("/m"), "moonshotai/Kimi-K3") == Path("/m/moonshotai--Kimi-K3")
 

@@ -33,6 +33,7 @@ from appliance.engine.supervisor import Supervisor
 from appliance.errors import ApplianceError
 from appliance.resources import migrations_dir
 from appliance.runtime import build_runtime
+from appliance.secrets import engine_api_key
 from appliance.testing.checkpoint import write_checkpoint
 from appliance.testing.clock import FakeClock
 from appliance.testing.fake_gpus import FakeGpus
@@ -313,10 +314,13 @@ def test_stop_drains_an_in_flight_stream_then_the_group_is_gone(
             chunks: list[str] = []
 
             async def stream() -> None:
-                async with httpx.AsyncClient(timeout=60) as http, http.stream(
-                    "POST", url, json={"model": config.engine.served_model_name,
-                                       "messages": [{"role": "user", "content": "hi"}],
-                                       "max_tokens": 40, "stream": True}) as response:
+                key = engine_api_key(config.paths.state_dir)  # the engine demands it
+                body = {"model": config.engine.served_model_name,
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 40, "stream": True}
+                async with httpx.AsyncClient(
+                        timeout=60, headers={"Authorization": f"Bearer {key}"}) as http, \
+                        http.stream("POST", url, json=body) as response:
                     async for line in response.aiter_lines():
                         if line.startswith("data: "):
                             chunks.append(line[6:])

@@ -19,6 +19,7 @@ from appliance.config import load_config
 from appliance.engine.args import build_launch_spec, inputs_from_config
 from appliance.engine.flags import FLAGS
 from appliance.engine.validate import validate_launch_spec
+from appliance.secrets import write_engine_auth
 
 VENV = os.environ.get("TEST_APPLIANCE_SGLANG_VENV", "")
 pytestmark = pytest.mark.skipif(not VENV, reason="TEST_APPLIANCE_SGLANG_VENV not set")
@@ -52,6 +53,7 @@ def test_default_k3_argv_passes_sglangs_own_parser(tmp_path: Path, speculative: 
     config = load_config(dev=True, dev_root=tmp_path, env={})
     config = dataclasses.replace(
         config, engine=dataclasses.replace(config.engine, speculative=speculative))
+    write_engine_auth(config.paths.state_dir)  # the --config file SGLang reads the key from
     spec = build_launch_spec(("sglang",), inputs_from_config(config))
     result = validate_launch_spec(spec, Path(VENV), timeout=300)
     assert result.ok, result.problems
@@ -62,6 +64,7 @@ def test_a_typo_is_caught_by_sglangs_own_parser(tmp_path: Path) -> None:
     config = load_config(dev=True, dev_root=tmp_path, env={})
     config = dataclasses.replace(config, engine=dataclasses.replace(
         config.engine, extra_args=("--mem-fraction-statc", "0.9")))
+    write_engine_auth(config.paths.state_dir)
     result = validate_launch_spec(build_launch_spec(("sglang",), inputs_from_config(config)),
                                   Path(VENV), timeout=300)
     assert not result.ok

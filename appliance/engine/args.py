@@ -37,6 +37,17 @@ Why the K3 defaults are what they are (SGLang 0.5.23 source, under sglang/srt/):
                             draft attention backends. Without such a draft SGLang stops with
                             "DSpark dense speculative decoding requires setting
                             --speculative-draft-model-path": the operator adds that flag.
+  --config <state_dir>/engine/engine-auth.yaml
+                            the engine port's API key (`appliance.secrets.write_engine_auth`),
+                            so nobody on the box can bypass the gateway. SGLang 0.5.23 takes
+                            the key only as --api-key or from a YAML --config file (no
+                            environment variable); the file keeps it out of the argv that
+                            /proc shows everyone, out of the spec hash and out of the Engine
+                            page. Exempt from the key: /health*, /ready*, /metrics* (and
+                            OPTIONS); everything else answers 401 {"error": "Unauthorized"}
+                            without `Authorization: Bearer <key>` (utils/auth.py). Set last,
+                            after the operator's flags: an operator --config would drop the
+                            key (SGLang reads one config file only).
 See ENV_REASONS for the environment.
 """
 
@@ -54,6 +65,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from appliance.engine import flags
+from appliance.secrets import engine_auth_path
 
 if TYPE_CHECKING:
     from appliance.config import Config
@@ -144,6 +156,9 @@ class LaunchInputs:
     tuning_args: tuple[tuple[str, str | None], ...] = ()
     operator_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
+    # The engine's --config file holding its API key (None: an engine without a key, e.g. a
+    # hand-made spec in a test); the path goes into the argv and the hash, never the key.
+    engine_auth: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -248,6 +263,7 @@ def inputs_from_config(
         profile_args=profile_args,
         tuning_args=tuning_args,
         operator_args=engine.extra_args,
+        engine_auth=engine_auth_path(config.paths.state_dir),
     )
 
 
@@ -311,6 +327,8 @@ def build_launch_spec(command: Sequence[str], inputs: LaunchInputs) -> LaunchSpe
         (Origin.TUNING, _pairs(inputs.tuning_args)),
         (Origin.OPERATOR, split_args(inputs.operator_args)),
     ]
+    if inputs.engine_auth is not None:  # last: the engine must never run without its key
+        layers.append((Origin.DEFAULT, [("--config", (str(inputs.engine_auth),))]))
     for origin, items in layers:
         for option, values in items:
             _apply(args, replaced, _spelled(option), values, origin)

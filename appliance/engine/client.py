@@ -1,7 +1,9 @@
 """The engine's HTTP API as the supervisor uses it (127.0.0.1 only, short timeouts).
 
 Connection refused is normal while SGLang loads (its port opens only when ready), so every
-call answers None/False instead of raising.
+call answers None/False instead of raising. Every call carries the engine's API key
+(`appliance.secrets.engine_api_key`) when given: SGLang exempts only /health*, /ready* and
+/metrics* from it, so /server_info and /v1/loads need it.
 """
 
 from __future__ import annotations
@@ -11,10 +13,16 @@ from typing import Any
 import httpx
 
 
+def engine_headers(api_key: str | None) -> dict[str, str]:
+    """The headers every request to the engine carries: its API key, when it has one."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 class EngineClient:
-    def __init__(self, base_url: str, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(self, base_url: str, transport: httpx.AsyncBaseTransport | None = None, *,
+                 api_key: str | None = None) -> None:
         self._http = httpx.AsyncClient(base_url=base_url, transport=transport, timeout=5.0,
-                                       trust_env=False)
+                                       trust_env=False, headers=engine_headers(api_key))
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -3,9 +3,9 @@
 A plain ASGI app rather than a framework: it has six routes and a budget of a millisecond,
 and the hot path is a byte pump. One generation request goes:
 
-    authenticate (key cache) → content type → body size → parse and validate → engine state
-    → per-key limits (concurrency, requests/minute, tokens/day) → admission (fair queue)
-    → forward → stream back, metering → record usage, metrics, history
+    authenticate (failed-key throttle, key cache) → content type → body size → parse and
+    validate → engine state → per-key limits (concurrency, requests/minute, tokens/day)
+    → admission (fair queue) → forward → stream back, metering → record usage, metrics, history
 
 Every refusal is a `GatewayError` rendered in the client's shape (OpenAI's, or Anthropic's on
 `/v1/messages`), recorded and counted; nothing refused reaches the engine. While a request
@@ -133,8 +133,7 @@ class GatewayApp:
         """The served model, answered here (no engine needed, so clients can list models
         while the engine loads)."""
         try:
-            await self.parts.keys.resolve(presented_key(dict(scope["headers"])),
-                                          self.parts.clock.now())
+            await self._authenticate(scope, dict(scope["headers"]), self.parts.clock.now())
         except GatewayError as err:
             await self._error(send, err, False)
             return
@@ -163,7 +162,7 @@ class GatewayApp:
         ex = Exchange(endpoint, time.perf_counter(), parts.clock.now())
         try:
             headers = dict(scope["headers"])
-            ex.key = key = await parts.keys.resolve(presented_key(headers), ex.started_at)
+            ex.key = key = await self._authenticate(scope, headers, ex.started_at)
             content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
             if content_type != b"application/json":
                 raise GatewayError(415, "unsupported_media_type",
@@ -183,6 +182,29 @@ class GatewayApp:
                 await self._error(send, err, endpoint.anthropic)
         finally:
             self._account(ex)
+
+    async def _authenticate(self, scope: Message, headers: dict[bytes, bytes],
+                            now: dt.datetime) -> KeyEntry:
+        """The request's key, or a 401; a client address that sent too many wrong keys gets
+        429 before its key is looked at (`appliance.gateway.auth_throttle`). A missing key
+        is not counted: only a presented key can be a guess."""
+        failures, clock = self.parts.auth_failures, self.parts.clock
+        client = scope.get("client")
+        address = str(client[0]) if client else ""
+        wait = failures.blocked(address, clock.monotonic())
+        if wait is not None:
+            raise GatewayError(
+                429, "too_many_failed_keys",
+                f"this address sent {failures.max_failures} wrong API keys within "
+                f"{failures.window:.0f} s; retry in {wait} s with a valid key",
+                retry_after=wait)
+        key = presented_key(headers)
+        try:
+            return await self.parts.keys.resolve(key, now)
+        except GatewayError:
+            if key:
+                failures.failed(address, clock.monotonic())
+            raise
 
     async def _read_body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
         too_big = GatewayError(413, "request_too_large",
@@ -297,6 +319,11 @@ class GatewayApp:
         try:
             async with self.parts.upstream.request("POST", parsed.endpoint.path, parsed.body,
                                                    upstream_headers) as response:
+                if response.status == 401:  # only SGLang's key check answers 401
+                    raise GatewayError(
+                        502, "engine_key_refused", "the engine refused the gateway's engine "
+                        "key (secrets/engine-api.key changed after one of them started); "
+                        "restart the gateway, and the engine if that does not help")
                 if response.status >= 400:
                     raise rewrap_engine_error(response.status, await response.read(), anthropic)
                 if parsed.stream and response.content_type == "text/event-stream":

@@ -20,6 +20,7 @@ from appliance.config import Config
 from appliance.db.database import Database
 from appliance.engine.publish import Published, read_published
 from appliance.gateway.admission import Admission
+from appliance.gateway.auth_throttle import AuthFailures
 from appliance.gateway.engine_gate import FALLBACK_LIMIT, EngineGate
 from appliance.gateway.history import HistoryTracker
 from appliance.gateway.keycache import KeyCache
@@ -28,7 +29,7 @@ from appliance.gateway.metrics import GatewayMetrics
 from appliance.gateway.recorder import Recorder
 from appliance.gateway.upstream import Upstream
 from appliance.gateway.usage import tokens_today
-from appliance.secrets import server_secret
+from appliance.secrets import engine_api_key, server_secret
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class GatewayParts:
     metrics: GatewayMetrics
     history: HistoryTracker
     upstream: Upstream
+    auth_failures: AuthFailures = field(default_factory=AuthFailures)
     poll_interval: float = 0.5
     created: int = field(default_factory=lambda: int(time.time()))
     _poller: asyncio.Task[None] | None = None
@@ -77,7 +79,11 @@ class GatewayParts:
             self.keys.refresh_in(session)
             return read_published(session)
 
-        published = await self.db.run(read)
+        ticket = self.keys.poll_started()
+        try:
+            published = await self.db.run(read)
+        finally:
+            self.keys.poll_done(ticket)  # failing keys wait for this (keycache)
         if await self.gate.refresh(published) and self.gate.limit:
             self.admission.set_limit(self.gate.limit)
             log.info("admitting up to %d requests at once", self.gate.limit)
@@ -92,12 +98,14 @@ class GatewayParts:
 
 
 def build_gateway(config: Config, *, clock: Clock | None = None, db: Database | None = None,
-                  engine_url: str | None = None, poll_interval: float = 0.5) -> GatewayParts:
+                  engine_url: str | None = None, poll_interval: float = 0.5,
+                  auth_failures: AuthFailures | None = None) -> GatewayParts:
     clock = clock or SystemClock()
     db = db or Database(config.database_url)
     gateway = config.gateway
     upstream = Upstream(engine_url or f"http://127.0.0.1:{config.engine.port}",
-                        float(gateway.first_byte_timeout_seconds))
+                        float(gateway.first_byte_timeout_seconds),
+                        engine_api_key(config.paths.state_dir))
     return GatewayParts(
         config=config, clock=clock, db=db,
         keys=KeyCache(db, server_secret(config.paths.state_dir)),
@@ -105,4 +113,4 @@ def build_gateway(config: Config, *, clock: Clock | None = None, db: Database | 
         admission=Admission(gateway.max_concurrency or FALLBACK_LIMIT, gateway.queue_max),
         limiter=KeyLimiter(), recorder=Recorder(db, clock, gateway.usage_retention_days),
         metrics=GatewayMetrics(), history=HistoryTracker(), upstream=upstream,
-        poll_interval=poll_interval)
+        auth_failures=auth_failures or AuthFailures(), poll_interval=poll_interval)

@@ -5,6 +5,9 @@ aiohttp's client rather than httpx's: for a streaming passthrough it was measure
 times faster on these machines (see benchmarks/gateway_throughput.py), and the gateway's
 whole budget is a millisecond. Timeouts: connecting must take under 5 s; the first byte and
 every later read may take up to `read_timeout` (a long prompt's prefill, a busy engine).
+Every request carries the engine's API key (`appliance.secrets.engine_api_key`), which SGLang
+demands on all but /health*, /ready* and /metrics*; the client's own Authorization header is
+never forwarded.
 """
 
 from __future__ import annotations
@@ -17,15 +20,17 @@ CONNECT_TIMEOUT = 5.0
 
 
 class Upstream:
-    def __init__(self, base_url: str, read_timeout: float) -> None:
+    def __init__(self, base_url: str, read_timeout: float, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.read_timeout = read_timeout
+        self.api_key = api_key
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=None)
         self._session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",),
+            headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else None,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT,
                                           sock_read=self.read_timeout))
 

@@ -254,13 +254,15 @@ async def engine_results(config: Config, db: Database | None, daemon_running: bo
     from appliance.engine.publish import read_published
     from appliance.health.engine_checks import engine_checks
     from appliance.health.engine_probe import EngineProbe, EngineWatcher
+    from appliance.secrets import read_engine_api_key
 
     published = await asyncio.to_thread(db.call, read_published) if db else None
     try:
         state = EngineState(published.state) if published else EngineState.STOPPED
     except ValueError:
         state = EngineState.STOPPED
-    probe = EngineProbe(f"http://127.0.0.1:{config.engine.port}", transport=transport)
+    probe = EngineProbe(f"http://127.0.0.1:{config.engine.port}", transport=transport,
+                        api_key=read_engine_api_key(config.paths.state_dir))
     try:
         watcher = EngineWatcher(probe, config.health, config.engine.served_model_name, clock)
         figures = await watcher.poll(state, clock.now())

@@ -34,6 +34,7 @@ import httpx
 
 from appliance.clock import Clock
 from appliance.config import HealthConfig
+from appliance.engine.client import engine_headers
 from appliance.engine.states import SERVING, EngineState
 from appliance.health.engine_metrics import (
     MetricsFormatError,
@@ -65,9 +66,12 @@ class EngineProbe:
     `timer` measures the canary (real seconds: a fake clock would hide real latency)."""
 
     def __init__(self, base_url: str, transport: httpx.AsyncBaseTransport | None = None, *,
-                 timer: Callable[[], float] = time.monotonic) -> None:
+                 timer: Callable[[], float] = time.monotonic,
+                 api_key: str | None = None) -> None:
+        # The engine's API key on every request: /v1/loads and the canary need it.
         self._http = httpx.AsyncClient(base_url=base_url, transport=transport,
-                                       timeout=CHEAP_TIMEOUT, trust_env=False)
+                                       timeout=CHEAP_TIMEOUT, trust_env=False,
+                                       headers=engine_headers(api_key))
         self._timer = timer
 
     async def aclose(self) -> None:

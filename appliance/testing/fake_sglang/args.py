@@ -8,7 +8,10 @@ way SGLang's own parser fails: exit 2 with `usage: sglang serve ...` and
 `--model-type X` is taken out first, as in SGLang's `cli/serve.py`; a missing model path is
 SGLang's `Exception` (exit 1), raised before the parser runs. The table is 0.5.23's whole
 parser, so every real flag is accepted; the emulator acts on the few that shape what it shows
-(see `memory.py`) and reports the rest back in `/server_info`.
+(see `memory.py`) and reports the rest back in `/server_info`. `--config FILE.yaml` is
+merged first, as SGLang's `ConfigArgumentMerger` does (utils/server_args_config_parser.py): the
+file's keys become flags placed before the command line's, so the command line wins; that is
+how the appliance hands the engine its `--api-key` without putting it on the command line.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 from appliance.engine.flags import FLAGS, Flag
@@ -314,9 +318,52 @@ def parse(argv: Sequence[str]) -> ServeArgs:
     normalized = normalize(argv)
     if not has_model_path(normalized) and not {"-h", "--help"} & set(normalized):
         raise ArgvError("Exception", MISSING_MODEL)
-    namespace = build_parser().parse_args(normalized)
+    parser = build_parser()
+    namespace = parser.parse_args(merge_config(parser, normalized))
     values = vars(namespace)
     level = values.get("log_level")
     if isinstance(level, str) and not isinstance(getattr(logging, level.upper(), None), int):
         raise ArgvError("AttributeError", f"module 'logging' has no attribute '{level.upper()}'")
     return ServeArgs(values=values, argv=tuple(argv))
+
+
+def merge_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`argv` with its `--config FILE` replaced by the file's settings, put first (SGLang's
+    `ConfigArgumentMerger.merge_config_with_args`: only the separate `--config FILE` form,
+    one file, `.yaml`/`.yml`, a mapping; a switch is added when true; a list is its values;
+    anything else its `str`). Its refusals are SGLang's ValueErrors."""
+    if "--config" not in argv:
+        return argv
+    import yaml  # only when a config file is given, as SGLang imports it
+
+    at = [i for i, item in enumerate(argv) if item == "--config"]
+    if len(at) > 1:
+        raise ArgvError("ValueError", "Multiple config files specified! Only one allowed.")
+    index = at[0]
+    if index == len(argv) - 1:
+        raise ArgvError("ValueError", "No config file specified after --config flag!")
+    path = Path(argv[index + 1])
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        raise ArgvError("ValueError", f"Config file must be YAML format, got: {path.suffix}")
+    if not path.exists():
+        raise ArgvError("ValueError", f"Config file not found: {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ArgvError("ValueError", "Config file must contain a dictionary at root level")
+    switches = {action.dest for action in parser._actions
+                if isinstance(action, argparse._StoreTrueAction)}
+    merged: list[str] = []
+    for key, value in data.items():
+        if isinstance(value, bool):
+            if str(key).replace("-", "_") not in switches:
+                merged += [f"--{key}", str(value).lower()]
+            elif value:
+                merged.append(f"--{key}")
+        elif isinstance(value, list):
+            if value:
+                merged += [f"--{key}", *(str(item) for item in value)]
+        elif isinstance(value, dict):
+            merged += [f"--{key}", json.dumps(value)]
+        else:
+            merged += [f"--{key}", str(value)]
+    return merged + argv[:index] + argv[index + 2:]
