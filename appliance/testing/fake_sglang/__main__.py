@@ -4,6 +4,8 @@ ENGINE EMULATOR, a test and demo instrument (see the package docstring).
 Environment:
     FAKE_SGLANG_LOAD_SECONDS   the whole start, scaled from ~86 minutes (default 20)
     FAKE_SGLANG_FAULT          faults on demand (`faults.py`), e.g. `crash_at=60,slow_tokens=0.2`
+    FAKE_SGLANG_PERF           the serving performance model (`perfmodel.py`), e.g. `k3-b300`
+    FAKE_SGLANG_TIME_SCALE     real seconds per modelled second, e.g. 0.05 (with FAKE_SGLANG_PERF)
     FAKE_SGLANG_GPU_STATE      a JSON file to write the pretend GPUs' memory to (`gpustate.py`)
     SGLANG_HEALTH_CHECK_TIMEOUT, SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION, SGL_FORCE_SHUTDOWN
                                honoured as SGLang does
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from appliance.testing.fake_sglang.args import ArgvError, parse
-from appliance.testing.fake_sglang.faults import FaultError, parse_faults
+from appliance.testing.fake_sglang.faults import FaultError, faults_from_env
 from appliance.testing.fake_sglang.gpustate import GpuStateFile
 from appliance.testing.fake_sglang.logwriter import LogWriter
 from appliance.testing.fake_sglang.memory import Capacity, CapacityError, plan
@@ -59,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"in serve\n{exc.exception_type}: {exc.message}", file=sys.stderr)
         return 1
     try:
-        faults = parse_faults(os.environ.get("FAKE_SGLANG_FAULT"))
+        faults = faults_from_env(os.environ)
         load_seconds = _load_seconds()
     except FaultError as exc:
         print(f"fake_sglang: {exc}", file=sys.stderr)

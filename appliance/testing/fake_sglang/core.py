@@ -18,11 +18,21 @@ requests ever running at once (`peak_running`, reset by `reset_peak`). So do the
 histograms `/metrics` reports (`histograms.py`): time to first token and inter-token gaps as
 tokens come out, end-to-end latency when a request finishes, all from arrival on the
 emulator's monotonic clock.
+
+With the performance model on (`FAKE_SGLANG_PERF`, `perfmodel.py`) the pacing above is
+replaced: one stepping task drives the model's `Scheduler` (`scheduler.py`), sleeping each
+step's modelled duration times `FAKE_SGLANG_TIME_SCALE`, and hands every request the tokens
+its step produced (with speculative decoding, often two at once). Admission, the queue, KV
+usage, retraction and timeouts are then the model's; a request the model fails raises
+`EngineAbort` (SGLang's 503 "Request waiting timeout reached."), which the serving layer
+answers as SGLang does. The histograms and `gen_throughput` are then in model seconds (real
+seconds divided by the scale), so a demo at 20x speed still shows the box's figures.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import time
@@ -42,7 +52,9 @@ from appliance.testing.fake_sglang.histograms import (
 )
 from appliance.testing.fake_sglang.logwriter import LogWriter
 from appliance.testing.fake_sglang.memory import Capacity
+from appliance.testing.fake_sglang.perfmodel import PerfModel
 from appliance.testing.fake_sglang.prefixcache import PrefixCache
+from appliance.testing.fake_sglang.scheduler import Scheduler, Seq, Step
 
 WORDS = (
     "emulated", "tokens", "from", "fake_sglang", "the", "appliance", "test", "instrument",
@@ -99,6 +111,27 @@ class Request:
         return "".join(word(self.seed, i) for i in range(self.generated))
 
 
+class EngineAbort(Exception):
+    """The engine gave up on a request (the performance model's timeouts): SGLang's
+    `FINISH_ABORT` with a status code, answered as an error (503), in-band when streaming."""
+
+    def __init__(self, message: str, status: int = 503) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+@dataclass
+class Mailbox:
+    """What the stepping task has handed one modelled request and not yet consumed."""
+
+    tokens: int = 0
+    gap: float = 0.0  # model seconds between this delivery and the one before
+    done: bool = False
+    error: str | None = None
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class Core:
     """Running and waiting requests, the counters `/metrics` and `/v1/loads` report, and the
     server's status (SGLang's ServerStatus plus the SIGTERM drain flag)."""
@@ -126,6 +159,12 @@ class Core:
         self.e2e = Histogram(bounds(values.get("bucket_e2e_request_latency"), E2E_BUCKETS))
         self._recent: deque[list[int]] = deque()  # [whole second, tokens in it]
         self._ids = itertools.count()
+        self.perf: PerfModel | None = faults.perf
+        self.engine = Scheduler(faults.perf, cap.max_running_requests) if faults.perf else None
+        self.time_scale = faults.perf.time_scale if faults.perf else 1.0
+        self._mailboxes: dict[str, Mailbox] = {}
+        self._modelled: dict[str, Request] = {}
+        self._stepper: asyncio.Task[None] | None = None
 
     # -- planning -------------------------------------------------------------------------
     def plan(self, prompt: Prompt, max_tokens: int | None, min_tokens: int = 0,
@@ -168,11 +207,32 @@ class Core:
 
     @property
     def used_tokens(self) -> int:
+        if self.engine is not None:
+            return self.engine.used_tokens
         return sum(r.prompt_tokens + r.generated for r in self.running.values())
 
     @property
+    def pool_tokens(self) -> int:
+        """The KV pool in tokens: the performance model's when it is on, else the memory
+        model's (`max_total_num_tokens`)."""
+        return self.engine.pool_tokens if self.engine is not None else self.cap.kv_tokens
+
+    @property
     def token_usage(self) -> float:
-        return self.used_tokens / self.cap.kv_tokens if self.cap.kv_tokens else 0.0
+        return self.used_tokens / self.pool_tokens if self.pool_tokens else 0.0
+
+    @property
+    def num_retracted(self) -> int:
+        """Retracted requests now back in the queue (SGLang's `num_retracted_reqs`)."""
+        return self.engine.retracted_waiting if self.engine is not None else 0
+
+    @property
+    def new_token_ratio(self) -> float:
+        return self.engine.new_token_ratio if self.engine is not None else 0.0
+
+    def clock(self) -> float:
+        """Seconds on the emulator's monotonic clock, in model time when the model is on."""
+        return time.monotonic() / self.time_scale
 
     @property
     def state_slots_used(self) -> int:
@@ -183,7 +243,7 @@ class Core:
             self._recent.popleft()
 
     def _count_token(self) -> None:
-        now = int(time.monotonic())
+        now = int(self.clock())
         if self._recent and self._recent[-1][0] == now:
             self._recent[-1][1] += 1
         else:
@@ -193,7 +253,7 @@ class Core:
     @property
     def gen_throughput(self) -> float:
         """Tokens per second over the last few seconds."""
-        self._prune(int(time.monotonic()))
+        self._prune(int(self.clock()))
         return sum(n for _, n in self._recent) / THROUGHPUT_WINDOW
 
     def ready(self) -> bool:
@@ -201,12 +261,20 @@ class Core:
         return self.status == "Up" and not self.draining
 
     def stats(self) -> dict[str, int]:
-        """`GET /emulator/stats` (an emulator-only extension, for tests)."""
-        return {"running": self.num_running, "waiting": self.num_queue,
-                "peak_running": self.peak_running, "requests_total": self.num_requests_total,
-                "finished_total": self.finished_total,
-                "aborted_total": self.num_aborted_requests_total,
-                "max_running_requests": self.cap.max_running_requests}
+        """`GET /emulator/stats` (an emulator-only extension, for tests). With the performance
+        model on it adds `failed_total` (requests the engine aborted: timeouts),
+        `retracted_total` (retractions so far) and `kv_pool_tokens`."""
+        stats = {"running": self.num_running, "waiting": self.num_queue,
+                 "peak_running": self.peak_running, "requests_total": self.num_requests_total,
+                 "finished_total": self.finished_total,
+                 "aborted_total": self.num_aborted_requests_total,
+                 "max_running_requests": self.cap.max_running_requests}
+        if self.engine is not None:
+            stats |= {"failed_total": self.engine.failed_total,
+                      "retracted_total": self.engine.retracted_total,
+                      "kv_pool_tokens": self.engine.pool_tokens,
+                      "max_running_requests": self.engine.max_running}
+        return stats
 
     def reset_peak(self) -> None:
         """Start a new peak window: the peak since now is what runs now."""
@@ -243,6 +311,11 @@ class Core:
         the iterator early (a client that went away) aborts the request."""
         self.num_requests_total += 1
         self.prompt_tokens_total += req.prompt_tokens
+        if self.engine is not None:
+            async with contextlib.aclosing(self._generate_modelled(req, self.engine)) as tokens:
+                async for token in tokens:
+                    yield token
+            return
         self.waiting.append(req)
         self._admit_waiting()
         finished = False
@@ -275,6 +348,106 @@ class Core:
             if req in self.waiting:
                 self.waiting.remove(req)
             self._admit_waiting()
+
+    # -- the performance model ------------------------------------------------------------
+    async def _generate_modelled(self, req: Request,
+                                 engine: Scheduler) -> AsyncGenerator[str, None]:
+        """`generate` under the performance model: the stepping task delivers the tokens."""
+        box = self._mailboxes[req.rid] = Mailbox()
+        self._modelled[req.rid] = req
+        req.cached_tokens = self.prefix_cache.admit(req.prompt_ids)
+        self.cached_tokens_total += req.cached_tokens
+        self.prefill_tokens_total += req.prompt_tokens - req.cached_tokens
+        engine.add(Seq(key=req.rid, prompt=req.prompt_tokens, target=req.completion_tokens,
+                       arrived=self.clock(), cached=req.cached_tokens), self.clock())
+        self._sync(engine)
+        if self._stepper is None or self._stepper.done():
+            self._stepper = asyncio.ensure_future(self._run_steps(engine))
+        finished = False
+        try:
+            while True:
+                await box.event.wait()
+                box.event.clear()
+                if box.error is not None:
+                    raise EngineAbort(box.error)
+                count, box.tokens = box.tokens, 0
+                now = self.clock()
+                for _ in range(count):
+                    req.generated += 1
+                    if req.first_token_at is None:
+                        req.first_token_at = now
+                        self.ttft.observe(now - req.arrived / self.time_scale)
+                    else:
+                        self.inter_token.observe(box.gap / count)
+                    self.generation_tokens_total += 1
+                    self._count_token()
+                    yield word(req.seed, req.generated - 1)
+                if box.done:
+                    break
+            finished = True
+            self.finished_total += 1
+            self.e2e.observe(self.clock() - req.arrived / self.time_scale)
+        finally:
+            if not finished:
+                self.num_aborted_requests_total += 1
+                engine.cancel(req.rid)
+            self._mailboxes.pop(req.rid, None)
+            self._modelled.pop(req.rid, None)
+            self._sync(engine)
+
+    def _sync(self, engine: Scheduler) -> None:
+        """Mirror the model's running and waiting requests into the core's own (what the
+        reports, the stats and the drain read)."""
+        requests = self._modelled
+        self.running = {s.key: requests[s.key] for s in engine.running.values()
+                        if s.key in requests}
+        self.waiting = deque(requests[s.key] for s in engine.waiting if s.key in requests)
+        self.peak_running = max(self.peak_running, self.num_running)
+
+    async def _run_steps(self, engine: Scheduler) -> None:
+        """The engine loop: one modelled step after another while there is work."""
+        last: dict[str, float] = {}
+        while engine.busy:
+            step = engine.step(self.clock())
+            if step is None:
+                break
+            for key, message in step.failed.items():
+                last.pop(key, None)
+                self._fail(key, message)
+            self._sync(engine)
+            self._log_step(step)
+            await asyncio.sleep(step.duration * self.time_scale)
+            for key, count in step.tokens.items():
+                box = self._mailboxes.get(key)
+                if box is not None:
+                    box.tokens += count
+                    box.gap = step.ends - last.get(key, step.ends)
+                    box.event.set()
+                last[key] = step.ends
+            for key in step.finished:
+                last.pop(key, None)
+                box = self._mailboxes.get(key)
+                if box is not None:
+                    box.done = True
+                    box.event.set()
+            self._sync(engine)
+
+    def _fail(self, key: str, message: str) -> None:
+        box = self._mailboxes.get(key)
+        if box is not None:
+            box.error = message
+            box.event.set()
+
+    def _log_step(self, step: Step) -> None:
+        for line in step.log:
+            self.log.line(line, 0)
+        if step.prefill_tokens:
+            self.log.line(
+                f"Prefill batch, #new-seq: 1, #new-token: {step.prefill_tokens}, "
+                f"#cached-token: 0, full token usage: {self.token_usage:.2f}, #running-req: "
+                f"{step.decoding}, #queue-req: {self.num_queue}, #pending-token: 0, cuda graph: "
+                f"False, input throughput (token/s): "
+                f"{step.prefill_tokens / max(step.duration, 1e-9):.2f}", 0)
 
     async def decode_log_loop(self) -> None:
         """TP0's `Decode batch` line every --decode-log-interval steps while anything runs."""

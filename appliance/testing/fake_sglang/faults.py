@@ -25,12 +25,17 @@ Part of a test and demo instrument (`appliance.testing.fake_sglang`). Pure.
                       exits without draining (SGLang's "health check failed. Force exiting.")
 
 An unknown or malformed item is refused at startup (exit 2), so a test cannot silently run
-without the fault it asked for.
+without the fault it asked for. The same goes for the serving performance model
+(`FAKE_SGLANG_PERF`, `FAKE_SGLANG_TIME_SCALE`, see `perfmodel.py`), which `faults_from_env`
+reads into `Faults.perf` (None: off, the plain `slow_tokens` pacing).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+
+from appliance.testing.fake_sglang.perfmodel import PerfError, PerfModel, perf_from_env
 
 DEFAULT_TOKEN_SECONDS = 0.01
 
@@ -48,6 +53,7 @@ class Faults:
     scheduler_death_after: float | None = None
     token_seconds: float = DEFAULT_TOKEN_SECONDS
     unhealthy: bool = False
+    perf: PerfModel | None = None
 
     @property
     def load_stop_at(self) -> float | None:
@@ -111,3 +117,12 @@ def parse_faults(text: str | None) -> Faults:
                 f"hang_at=P, oom[=RANK], scheduler_death[=S], slow_tokens=S, unhealthy)"
             )
     return faults
+
+
+def faults_from_env(environ: Mapping[str, str]) -> Faults:
+    """`FAKE_SGLANG_FAULT` plus the performance model; either one's error is a FaultError."""
+    faults = parse_faults(environ.get("FAKE_SGLANG_FAULT"))
+    try:
+        return replace(faults, perf=perf_from_env(environ))
+    except PerfError as exc:
+        raise FaultError(str(exc)) from None

@@ -2,7 +2,9 @@
 `POST /v1/completions` (streaming or not) and the native `POST /generate`. A test and demo
 instrument (`appliance.testing.fake_sglang`). Every request goes through the core's scheduler
 (`core.plan`, `core.generate`): it counts toward running and queued, and a client that goes
-away aborts it.
+away aborts it. A request the engine aborts (`EngineAbort`: the performance model's timeouts)
+is answered as SGLang does: 503 with an error body, or, once a stream has started, HTTP 200
+and the error in-band (`data: {"error": {...}}`, then `[DONE]`).
 """
 
 from __future__ import annotations
@@ -25,10 +27,14 @@ from appliance.testing.fake_sglang.asgi import (
     until_disconnect,
 )
 from appliance.testing.fake_sglang.chat import ChatChunks, ChatPlan, chat_response, plan_chat
-from appliance.testing.fake_sglang.core import Core, Request
+from appliance.testing.fake_sglang.core import Core, EngineAbort, Request
 from appliance.testing.fake_sglang.memory import Capacity
 
 DONE = "data: [DONE]\n\n"
+
+
+def abort_body(exc: EngineAbort) -> dict[str, object]:
+    return oai.error_body(exc.message, exc.status, "SERVICE_UNAVAILABLE")
 
 
 class OpenAIServing:
@@ -40,6 +46,15 @@ class OpenAIServing:
         async with contextlib.aclosing(self.core.generate(req)) as tokens:
             async for _ in tokens:
                 pass
+
+    async def finished(self, req: Request, receive: Receive, send: Send) -> bool:
+        """Run a non-streaming request to its end: True when it completed; False when the
+        client went away, or the engine aborted it (its 503 has then been sent)."""
+        try:
+            return await until_disconnect(self.drain_tokens(req), receive)
+        except EngineAbort as exc:
+            await respond(send, exc.status, abort_body(exc))
+            return False
 
     # -- /v1/chat/completions -------------------------------------------------------------
     async def chat(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -54,7 +69,7 @@ class OpenAIServing:
             return
         if plan.params.stream:
             await until_disconnect(self.chat_stream(plan, send), receive)
-        elif await until_disconnect(self.drain_tokens(plan.req), receive):
+        elif await self.finished(plan.req, receive, send):
             await respond(send, 200, chat_response(plan, self.cache_report))
 
     async def chat_stream(self, plan: ChatPlan, send: Send) -> None:
@@ -63,14 +78,18 @@ class OpenAIServing:
         chunks = ChatChunks(plan, self.cache_report)
         req, started = plan.req, False
         await start_stream(send)
-        async with contextlib.aclosing(self.core.generate(req)) as tokens:
-            async for _ in tokens:
-                if not started:
-                    started = True
-                    await emit(send, chunks.role())
-                frame = chunks.piece(plan.script.piece(req.seed, req.generated - 1))
-                if frame:
-                    await emit(send, frame)
+        try:
+            async with contextlib.aclosing(self.core.generate(req)) as tokens:
+                async for _ in tokens:
+                    if not started:
+                        started = True
+                        await emit(send, chunks.role())
+                    frame = chunks.piece(plan.script.piece(req.seed, req.generated - 1))
+                    if frame:
+                        await emit(send, frame)
+        except EngineAbort as exc:
+            await end_stream(send, oai.sse({"error": abort_body(exc)}) + DONE)
+            return
         if not started:
             await emit(send, chunks.role())
         await emit(send, chunks.finish())
@@ -98,18 +117,23 @@ class OpenAIServing:
         model = str(body.get("model") or self.args.served_model_name)
         if params.stream:
             await until_disconnect(self.completion_stream(req, model, params, send), receive)
-        elif await until_disconnect(self.drain_tokens(req), receive):
+        elif await self.finished(req, receive, send):
             await respond(send, 200, oai.completion_response(req, model, self.cache_report))
 
     async def completion_stream(self, req: Request, model: str, params: oai.Sampling,
                                 send: Send) -> None:
         created = int(time.time())
         await start_stream(send)
-        async with contextlib.aclosing(self.core.generate(req)) as tokens:
-            async for token in tokens:
-                await emit(send, oai.completion_chunk(
-                    req, model, created, text=token, finish=req.generated >= req.completion_tokens,
-                    continuous_usage=params.continuous_usage))
+        try:
+            async with contextlib.aclosing(self.core.generate(req)) as tokens:
+                async for token in tokens:
+                    await emit(send, oai.completion_chunk(
+                        req, model, created, text=token,
+                        finish=req.generated >= req.completion_tokens,
+                        continuous_usage=params.continuous_usage))
+        except EngineAbort as exc:
+            await end_stream(send, oai.sse({"error": abort_body(exc)}) + DONE)
+            return
         if req.completion_tokens == 0:
             await emit(send, oai.completion_chunk(req, model, created, finish=True,
                                                   continuous_usage=params.continuous_usage))
@@ -133,16 +157,23 @@ class OpenAIServing:
             return
         req = self.core.plan(prompt, params.max_tokens, params.min_tokens, params.ignore_eos)
         if not params.stream:
-            if await until_disconnect(self.drain_tokens(req), receive):
+            if await self.finished(req, receive, send):
                 await respond(send, 200, oai.generate_response(req, started))
             return
 
         async def stream() -> None:
             await start_stream(send)
-            async with contextlib.aclosing(self.core.generate(req)) as tokens:
-                async for _ in tokens:
-                    chunk = json.dumps(oai.generate_response(req, started))
-                    await emit(send, f"data: {chunk}\n\n")
+            try:
+                async with contextlib.aclosing(self.core.generate(req)) as tokens:
+                    async for _ in tokens:
+                        chunk = json.dumps(oai.generate_response(req, started))
+                        await emit(send, f"data: {chunk}\n\n")
+            except EngineAbort as exc:  # SGLang's native stream: the abort as a finish reason
+                aborted = {"text": "", "output_ids": [], "meta_info": {
+                    "id": req.rid, "completion_tokens": req.generated, "finish_reason": {
+                        "type": "abort", "status_code": exc.status, "message": exc.message}}}
+                await end_stream(send, f"data: {json.dumps(aborted)}\n\n{DONE}")
+                return
             await end_stream(send, DONE)
 
         await until_disconnect(stream(), receive)

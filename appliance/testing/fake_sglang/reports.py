@@ -8,7 +8,10 @@ Shapes follow SGLang 0.5.23: `build_server_info` plus `internal_states[]`
 `observability/metrics_collector.py` (labels model_name, engine_type, tp_rank, pp_rank,
 moe_ep_rank; scheduler gauges from TP0 only). Of the histograms, time to first token,
 inter-token latency and end-to-end latency are kept (`histograms.py`, measured from the
-emulator's own requests); the token-count and queue-time histograms are not emulated.
+emulator's own requests); the token-count and queue-time histograms are not emulated. With the
+performance model on (`perfmodel.py`) the KV figures (`token_usage`, `kv_available_tokens`,
+`max_total_num_tokens`, `/v1/loads`) are over the model's pool, `num_retracted_reqs` counts
+retracted requests back in the queue and `new_token_ratio` is the scheduler's.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ def load_snapshot(cap: Capacity, core: Core, include: set[str] | None) -> dict[s
         "num_running_reqs": core.num_running, "num_waiting_reqs": core.num_queue,
         "num_waiting_uncached_tokens": sum(r.prompt_tokens for r in core.waiting),
         "num_used_tokens": used, "num_total_tokens": used, "num_active_tokens": used,
-        "num_prealloc_ready_tokens": 0, "max_total_num_tokens": cap.kv_tokens,
+        "num_prealloc_ready_tokens": 0, "max_total_num_tokens": core.pool_tokens,
         "max_running_requests": cap.max_running_requests,
         "token_usage": round(core.token_usage, 4),
         "gen_throughput": round(core.gen_throughput, 2),
@@ -117,7 +120,7 @@ def load_snapshot(cap: Capacity, core: Core, include: set[str] | None) -> dict[s
                           "graph_gb": round(cap.graph_gb, 3), "token_capacity": cap.kv_tokens}
     if every or "queues" in (include or ()):
         load["queues"] = {"waiting": core.num_queue, "grammar": 0, "paused": 0,
-                          "retracted": 0, "prealloc_ready": 0}
+                          "retracted": core.num_retracted, "prealloc_ready": 0}
     return load
 
 
@@ -153,7 +156,7 @@ def metrics(args: ServeArgs, cap: Capacity, core: Core, timings: Timings) -> str
     gauges: list[tuple[str, float, str]] = [
         ("num_running_reqs", core.num_running, "The number of running requests."),
         ("num_queue_reqs", core.num_queue, "The number of requests in the waiting queue."),
-        ("num_retracted_reqs", 0, "The number of retracted requests."),
+        ("num_retracted_reqs", core.num_retracted, "The number of retracted requests."),
         ("gen_throughput", round(core.gen_throughput, 2), "The generation throughput."),
         ("cache_hit_rate", round(cache_hit_rate(core), 6), "The prefix cache hit rate."),
         ("token_usage", round(core.token_usage, 6), "The token usage."),
@@ -161,21 +164,22 @@ def metrics(args: ServeArgs, cap: Capacity, core: Core, timings: Timings) -> str
         ("mamba_usage", round(slots_used / max(1, cap.state_slots), 6), "The mamba usage."),
         ("num_used_tokens", core.used_tokens, "The number of used tokens."),
         ("kv_used_tokens", core.used_tokens, "KV tokens in use."),
-        ("kv_available_tokens", cap.kv_tokens - core.used_tokens, "KV tokens available."),
+        ("kv_available_tokens", core.pool_tokens - core.used_tokens, "KV tokens available."),
         ("kv_evictable_tokens", 0, "KV tokens evictable."),
         ("mamba_used_tokens", slots_used, "Mamba slots in use."),
         ("mamba_available_tokens", cap.state_slots - slots_used, "Mamba slots available."),
         ("mamba_evictable_tokens", 0, "Mamba slots evictable."),
         ("utilization", round(core.num_running / max(1, cap.max_running_requests), 6),
          "The utilization."),
-        ("new_token_ratio", 0.0, "The new token ratio."),
+        ("new_token_ratio", round(core.new_token_ratio, 6), "The new token ratio."),
         ("is_cuda_graph", 1, "Whether the batch is using CUDA graph."),
-        ("max_total_num_tokens", cap.kv_tokens, "Maximum total number of tokens in the pool."),
+        ("max_total_num_tokens", core.pool_tokens,
+         "Maximum total number of tokens in the pool."),
         ("weight_memory_usage_gb", round(cap.weights_gb, 2), "Weight memory (GB)."),
         ("kv_cache_memory_usage_gb", round(cap.kv_gb, 2), "KV cache memory (GB)."),
         ("graph_memory_usage_gb", round(cap.graph_gb, 2), "CUDA graph memory (GB)."),
         ("page_size", args.page_size, "The page size."),
-        ("num_pages", cap.kv_tokens // args.page_size, "The number of pages."),
+        ("num_pages", core.pool_tokens // args.page_size, "The number of pages."),
         ("context_len", cap.context_len, "The context length."),
         ("startup_available_gpu_memory_gb", round(cap.ready_avail_gb, 2),
          "Available GPU memory at startup (GB)."),
