@@ -204,3 +204,17 @@ def test_the_daemon_launches_with_the_key_and_still_sees_ready(
         run(scenario)
     finally:
         db.dispose()
+
+
+def test_the_emulator_reads_config_files_as_sglang_does(tmp_path: Path) -> None:
+    from appliance.testing.fake_sglang.args import ArgvError, parse
+
+    config = tmp_path / "engine.yaml"
+    config.write_text("api-key: from-the-file\nenable-metrics: true\nport: 31000\n")
+    args = parse(["--model-path", "/m", "--config", str(config), "--port", "32000"])
+    assert args.api_key == "from-the-file" and args.enable_metrics
+    assert args.port == 32000  # the command line wins over the file
+    with pytest.raises(ArgvError, match="Config file not found"):
+        parse(["--model-path", "/m", "--config", str(tmp_path / "none.yaml")])
+    with pytest.raises(ArgvError, match="must be YAML"):
+        parse(["--model-path", "/m", "--config", str(tmp_path / "engine.json")])
