@@ -160,3 +160,31 @@ def test_a_hand_made_spec_with_a_stray_flag_is_refused(tmp_path: Path, engines: 
     code, stderr = exec_spec(tmp_path, spec, engines)
     assert code == 64 and "--exec-this" in stderr and "unknown flag" in stderr, stderr
     assert not marker.exists()
+
+
+def test_a_config_file_may_only_be_the_daemons_key_file(tmp_path: Path, engines: Path) -> None:
+    """SGLang reads more flags from `--config`: only the daemon's own key file beside the
+    spec, holding the engine's API key alone, passes."""
+    marker = tmp_path / "ran"
+    program = program_at(engines / "sglang-x" / "bin" / "sglang", marker)
+    own = tmp_path / "engine-auth.yaml"
+    own.write_text('{"api-key": "0123456789abcdef0123456789abcdef"}\n')
+    foreign = tmp_path / "elsewhere.yaml"
+    foreign.write_text('{"api-key": "x"}\n')
+
+    def spec_with(config: Path) -> LaunchSpec:
+        base = build_launch_spec((str(program),), inputs())
+        args = (*base.args, ArgSource("--config", str(config), Origin.DEFAULT))
+        spec = dataclasses.replace(base, args=args)
+        return dataclasses.replace(spec, spec_hash=spec_hash(spec.command, spec.serve_args(),
+                                                             spec.env))
+
+    code, stderr = exec_spec(tmp_path, spec_with(foreign), engines)
+    assert code == 64 and "is not the engine's key file" in stderr, stderr
+    own.write_text('{"api-key": "k", "trust-remote-code": true}\n')
+    code, stderr = exec_spec(tmp_path, spec_with(own), engines)
+    assert code == 64 and "holds trust-remote-code" in stderr, stderr
+    assert not marker.exists()
+    own.write_text('{"api-key": "0123456789abcdef0123456789abcdef"}\n')
+    code, stderr = exec_spec(tmp_path, spec_with(own), engines)
+    assert code == 7, stderr

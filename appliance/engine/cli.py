@@ -141,7 +141,12 @@ def exec_spec(path: Path, engines_dir: Path | None = None) -> NoReturn:
     own user (`exec_guard`): the daemon's user writes the spec, and must not be able to make
     the engine unit run anything but SGLang from the installer's engine environment."""
     from appliance.engine.args import LaunchSpec
-    from appliance.engine.exec_guard import DEFAULT_ENGINES_DIR, check_program, check_spec
+    from appliance.engine.exec_guard import (
+        DEFAULT_ENGINES_DIR,
+        check_config_file,
+        check_program,
+        check_spec,
+    )
     from appliance.sdnotify import child_environment
 
     try:
@@ -152,7 +157,8 @@ def exec_spec(path: Path, engines_dir: Path | None = None) -> NoReturn:
             "start the engine from the appliance (console, API or `appliance engine start`); "
             "it writes the spec", exit_code=EX_USAGE) from None
     allowed = engines_dir or DEFAULT_ENGINES_DIR
-    problems = check_spec(spec) + check_program(spec.command[0], allowed)
+    problems = (check_spec(spec) + check_config_file(spec, path)
+                + check_program(spec.command[0], allowed))
     if problems:
         raise ApplianceError(
             "launch_spec_refused", f"refusing to run the launch spec {path}: "

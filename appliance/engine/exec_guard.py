@@ -20,9 +20,12 @@ checks again, as the engine's own user, everything the spec says:
   with (`ENGINE_ENV_PREFIXES`); never the loader's or Python's code-injection variables
   (`LD_PRELOAD`, `PYTHONPATH`, `PYTHONSTARTUP`, …).
 
-`check_spec` is pure; `check_program` reads the file system (lstat only, no symlink followed
-but those root placed inside the checked directory). Both return the problems in words; an
-empty list means the exec may go ahead.
+- **a `--config` file** (SGLang reads more flags from it) is only the daemon's own
+  `engine-auth.yaml` beside the spec, and it holds the engine's API key and nothing else.
+
+`check_spec` is pure; `check_program` (lstat only, no symlink followed but those root placed
+inside the checked directory) and `check_config_file` read the file system. Each returns the
+problems in words; an empty list means the exec may go ahead.
 """
 
 from __future__ import annotations
@@ -64,6 +67,37 @@ def check_spec(spec: LaunchSpec) -> list[str]:
             problems.append(f"the environment variable {name!r} is not one the engine may be "
                             f"given (allowed: {', '.join(sorted(ENGINE_ENV_NAMES))} and "
                             f"{', '.join(p + '*' for p in ENGINE_ENV_PREFIXES)})")
+    return problems
+
+
+CONFIG_FILE_NAME = "engine-auth.yaml"  # appliance.secrets.engine_auth_path's name
+CONFIG_FILE_KEYS = frozenset({"api-key", "api_key"})
+
+
+def check_config_file(spec: LaunchSpec, spec_path: Path) -> list[str]:
+    """A `--config` flag may name only the daemon's key file beside the spec, holding only
+    the engine's API key: any other file could carry flags the table never saw."""
+    import yaml
+
+    allowed = Path(os.path.realpath(spec_path.parent)) / CONFIG_FILE_NAME
+    problems: list[str] = []
+    for arg in spec.args:
+        if arg.flag != "--config":
+            continue
+        given = Path(os.path.realpath(arg.value or ""))
+        if given != allowed:
+            problems.append(f"--config {arg.value} is not the engine's key file {allowed}")
+            continue
+        try:
+            body = yaml.safe_load(given.read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            problems.append(f"--config {given} cannot be read: {exc}")
+            continue
+        keys = set(body) if isinstance(body, dict) else {"(not a mapping)"}
+        if not keys <= CONFIG_FILE_KEYS:
+            extra = ", ".join(sorted(map(str, keys - CONFIG_FILE_KEYS)))
+            problems.append(f"--config {given} holds {extra}: only the engine's api-key may "
+                            "be set there")
     return problems
 
 
