@@ -21,6 +21,9 @@ light child per tensor-parallel rank and a detokenizer) that
   requests started, finished and aborted) and `POST /emulator/stats/reset`, an emulator-only
   extension;
 - drains on SIGTERM like SGLang, and fails on demand (`FAKE_SGLANG_FAULT`, see `faults.py`);
+- optionally serves like the box under load (`FAKE_SGLANG_PERF=k3-b300`, a calibrated step,
+  prefill and KV-pool model with SGLang's retraction and waiting timeout, on a clock
+  `FAKE_SGLANG_TIME_SCALE` can speed up; `perfmodel.py`, `scheduler.py`, docs/emulator.md);
 - optionally writes what its pretend GPUs hold to `FAKE_SGLANG_GPU_STATE` for the fake NVML
   adapter (`appliance.testing.fake_gpus`).
 

@@ -353,6 +353,8 @@ class Core:
     async def _generate_modelled(self, req: Request,
                                  engine: Scheduler) -> AsyncGenerator[str, None]:
         """`generate` under the performance model: the stepping task delivers the tokens."""
+        if self.faults.unhealthy and self.status != "Starting":
+            await asyncio.Event().wait()  # wedged after ready, as in `generate`
         box = self._mailboxes[req.rid] = Mailbox()
         self._modelled[req.rid] = req
         req.cached_tokens = self.prefix_cache.admit(req.prompt_ids)
