@@ -323,7 +323,9 @@ def test_damage_after_verification_blocks_the_engine_and_a_pull_fetches_only_it(
 
 def test_full_verification_quarantines_damage_and_refetches_only_that_file(
         tmp_path: Path, repo: Path, hub: FakeHub) -> None:
-    config, db = box(tmp_path / "box", hub)
+    # The automatic refetch is the operator's choice (weights.auto_refetch; off by default:
+    # tests/test_weights_verdicts.py).
+    config, db = box(tmp_path / "box", hub, APPLIANCE_WEIGHTS_AUTO_REFETCH="true")
     target = config.paths.models_dir / "moonshotai--Kimi-K3"
 
     async def scenario() -> None:

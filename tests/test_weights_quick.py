@@ -80,7 +80,7 @@ def test_a_shard_one_byte_short_fails_the_size_and_the_structure(
     os.truncate(directory / SHARD, size - 1)
     report = quick_verify(directory, manifest)
     assert_caught(report, SHARD, f"is 1 byte shorter than the manifest says ({size})",
-                  "does not cover the data", "appliance weights pull")
+                  "does not cover the data", "appliance weights refetch")
 
 
 def test_the_structure_alone_catches_truncation(model: tuple[Path, Manifest]) -> None:

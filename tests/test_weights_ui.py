@@ -304,13 +304,15 @@ def _render(template: str, view: WeightsView, **extra: object) -> str:
     from appliance.resources import templates_dir
     from appliance.ui.templating import duration, size, when
     from appliance.ui.weights import MOVING, sentence, state_counts
+    from appliance.weights.views import bytes_text
 
     env = Environment(loader=FileSystemLoader(templates_dir()), autoescape=True)
     env.filters.update(size=size, duration=duration, when=when)
     return env.get_template(template).render(
         w=view, files=sort_files(view.files), counts=state_counts(view),
         ready=readiness(view, REPO_ID), rate=rate_text, sentence=sentence, moving=MOVING,
-        status_oob=False, files_oob=False, error="", error_hint="", **extra)
+        bytes_text=bytes_text, status_oob=False, files_oob=False, error="", error_hint="",
+        **extra)
 
 
 def test_the_file_table_orders_rows_and_truncates_errors() -> None:

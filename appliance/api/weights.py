@@ -1,4 +1,5 @@
-"""The weights through the admin API: status, pull, verify, import, cancel, manifest.
+"""The weights through the admin API: status, pull, verify, refetch, import, cancel,
+manifest.
 
 Jobs run in the daemon (202 Accepted with the status); they survive a daemon restart. Every
 action is audited. The Hub token never appears in any answer.
@@ -99,6 +100,16 @@ async def weights_verify(request: AdminRequest, data: JSONBody[VerifyBody | None
     return (await runtime.weights.status()).to_dict()
 
 
+@post("/refetch", status_code=202, summary="Fetch the active set's damaged or missing "
+      "files again, from the endpoint configured now")
+async def weights_refetch(request: AdminRequest) -> dict[str, Any]:
+    runtime = runtime_of(request)
+    view = await runtime.weights.refetch(actor=request.user.username)
+    await _audited(request, "refetch", view.repo_id or "",
+                   {"commit": view.commit, "endpoint": runtime.config.weights.endpoint})
+    return view.to_dict()
+
+
 @post("/import", status_code=202, summary="Import a checkpoint from a directory or disk")
 async def weights_import(request: AdminRequest, data: JSONBody[ImportBody]) -> dict[str, Any]:
     runtime = runtime_of(request)
@@ -129,5 +140,6 @@ async def weights_manifest(request: AdminRequest) -> dict[str, Any]:
 
 def weights_router() -> Router:
     return Router(path="/api/v1/weights", guards=[password_current], tags=["weights"],
-                  route_handlers=[weights_status, weights_pull, weights_verify, weights_import,
-                                  weights_cancel, weights_manifest])
+                  route_handlers=[weights_status, weights_pull, weights_verify,
+                                  weights_refetch, weights_import, weights_cancel,
+                                  weights_manifest])

@@ -5,8 +5,9 @@ The first thing to run on a new box, and what to attach to a support request. It
 - the appliance's own checks (group "appliance", never part of a `HealthSnapshot`): the
   configuration loaded (it did, or there would be no report), the daemon (running or not),
   the database (opens, schema at head), the state, models and log directories (exist and
-  are writable by this user), the weights (a verified set recorded, and the quick tier of
-  `appliance.weights.quick` passing now);
+  are writable by this user), the weights (a verified set recorded, no file of it damaged
+  or quarantined, which is critical, and the quick tier of `appliance.weights.quick`
+  passing now);
 - the GPU checks over NVML (`NvmlGpus`, in a thread, with `health.nvml_timeout_seconds`);
   processes are listed, not judged: which PIDs are the engine's only the daemon knows;
 - the engine checks, on the state the daemon published (`engine.publish`): the engine is
@@ -176,6 +177,7 @@ def weights_check(db: Database, config: Config) -> CheckResult:
     (sizes and safetensors headers: seconds, not the hour a full hash takes)."""
     from appliance.engine.args import model_dir
     from appliance.weights import records
+    from appliance.weights.importer import QUARANTINE, quarantined
     from appliance.weights.quick import quick_verify
     from appliance.weights.service import active_set
 
@@ -187,23 +189,43 @@ def weights_check(db: Database, config: Config) -> CheckResult:
                        "pull them (`appliance weights pull`) or import a copy (`appliance "
                        "weights import DIR`); the engine cannot start without them")
     name = f"{wanted}@{record.commit[:12]}"
+    files = db.call(lambda s: records.set_files(s, record.id))
+    directory = model_dir(config.paths.models_dir, wanted)
+    # A file a verification found damaged (quarantined, or recorded failed) is CRITICAL for
+    # serving, named with what was found, not folded into "not verified yet".
+    moved = set(quarantined(directory, [f.path for f in files]))
+    damaged = [f for f in files if f.state == "failed" or f.path in moved]
+    if damaged:
+        shown = "; ".join(_damage(f.path, f.last_error, directory / QUARANTINE / f.path)
+                          for f in damaged[:3])
+        more = f" (and {len(damaged) - 3} more)" if len(damaged) > 3 else ""
+        return _result("appliance.weights", "Weights", Level.CRITICAL,
+                       f"{len(damaged)} file(s) of {name} are damaged: {shown}{more}",
+                       "fetch them again (`appliance weights refetch`, or the Weights page) or "
+                       "re-import them; the engine refuses to start on them")
     if record.full_verified_at is None:
-        files = db.call(lambda s: records.set_files(s, record.id))
         pending = sum(f.state != "verified" for f in files)
         return _result("appliance.weights", "Weights", Level.WARN,
                        f"{pending} of {len(files)} files of {name} are not verified yet",
                        "let the pull finish, or run `appliance weights verify --full`")
     manifest = db.call(lambda s: records.load_manifest(s, record.id))
-    report = quick_verify(model_dir(config.paths.models_dir, wanted), manifest)
+    report = quick_verify(directory, manifest)
     if not report.ok:
-        shown = "; ".join(f"{p.path}: {p.message}" for p in report.problems[:3])
+        shown = "; ".join(p.message for p in report.problems[:3])
         return _result("appliance.weights", "Weights", Level.CRITICAL,
                        f"{name} fails the quick check: {shown}",
-                       "run `appliance weights pull` to fetch the damaged files again (or "
-                       "re-import them); the engine refuses to start on them")
+                       "fetch the damaged files again (`appliance weights refetch`, or the "
+                       "Weights page) or re-import them; the engine refuses to start on them")
     return _result("appliance.weights", "Weights", Level.OK,
                    f"{name} verified {record.full_verified_at:%Y-%m-%d %H:%M} UTC; the quick "
                    "check passes now")
+
+
+def _damage(path: str, error: str, quarantined_at: Path) -> str:
+    """One damaged file in a sentence that starts with its name."""
+    if not error:
+        return f"{path}: moved to {quarantined_at}"
+    return error if error.startswith(path) else f"{path}: {error}"
 
 
 def _engine(level: Level, summary: str, hint: str = "") -> CheckResult:

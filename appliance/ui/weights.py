@@ -30,7 +30,7 @@ from appliance.runtime import Runtime, runtime_of
 from appliance.ui.login import AdminRequest
 from appliance.ui.pages import GUARDED
 from appliance.ui.templating import when
-from appliance.weights.views import FileState, FileView, WeightsView
+from appliance.weights.views import FileState, FileView, WeightsView, bytes_text
 
 # Files first that are moving, then those needing attention, then those waiting, then done.
 _ORDER: dict[str, int] = {
@@ -102,6 +102,22 @@ def readiness(view: WeightsView, engine_model: str) -> Readiness:
         return Readiness(False, f"Not ready for the engine: the active manifest is of "
                          f"{view.repo_id}, but the engine serves {engine_model}.",
                          f"pull {engine_model}, or set engine.model to the model you mean")
+    if view.disk_problems:
+        count = len(view.disk_problems)
+        return Readiness(False, f"Not ready for the engine: {count} file"
+                         f"{'s' * (count != 1)} changed on disk since "
+                         f"{'they were' if count != 1 else 'it was'} proven.",
+                         "fetch the damaged files again (or copy them back), then run a "
+                         "full verification", _shown(view.disk_problems))
+    verification = view.verification
+    if verification is not None and not verification.ok and not view.busy:
+        return Readiness(False, "Not ready for the engine: the full verification of "
+                         f"{when(verification.at)} found {len(verification.mismatches)} "
+                         "damaged file" + "s" * (len(verification.mismatches) != 1) + ".",
+                         "fetch the damaged files again (they were moved to the model "
+                         "directory's .quarantine/ folder, not deleted)"
+                         if view.refetchable else "copy those files again and re-import",
+                         _shown(tuple(m.sentence() for m in verification.mismatches)))
     if view.full_verified_at is None:
         pending = sum(1 for f in view.files if f.state != FileState.VERIFIED)
         hint = ("the job in flight proves them" if view.busy else
@@ -109,20 +125,23 @@ def readiness(view: WeightsView, engine_model: str) -> Readiness:
         return Readiness(False, f"Not ready for the engine: {pending} of {len(view.files)} "
                          "files are not verified yet.", hint)
     if view.quick_ok is False:
-        problems = view.quick_problems
-        shown = problems[:QUICK_PROBLEMS_SHOWN]
-        if len(problems) > len(shown):
-            shown = (*shown, f"and {len(problems) - len(shown)} more")
         return Readiness(False, "Not ready for the engine: the quick check failed "
                          f"{when(view.quick_checked_at)}.",
-                         "the damaged files were marked for download: pull again (or "
-                         "re-import them)", shown)
+                         "fetch the damaged files again (or re-import them)",
+                         _shown(view.quick_problems))
     verified = f"fully verified {when(view.full_verified_at)}"
     if view.quick_ok is None:
         return Readiness(True, f"Ready for the engine: {verified}; the quick check runs "
                          "before every launch.")
     return Readiness(True, f"Ready for the engine: {verified}, quick check passed "
                      f"{when(view.quick_checked_at)}.")
+
+
+def _shown(problems: tuple[str, ...]) -> tuple[str, ...]:
+    shown = problems[:QUICK_PROBLEMS_SHOWN]
+    if len(problems) > len(shown):
+        shown = (*shown, f"and {len(problems) - len(shown)} more")
+    return shown
 
 
 @dataclass(frozen=True)
@@ -174,7 +193,7 @@ async def _status_context(runtime: Runtime, *, status_oob: bool, files_oob: bool
     return {
         "w": view, "files": sort_files(view.files), "counts": state_counts(view),
         "ready": readiness(view, runtime.config.engine.model), "rate": rate_text,
-        "sentence": sentence, "moving": MOVING,
+        "sentence": sentence, "moving": MOVING, "bytes_text": bytes_text,
         "status_oob": status_oob, "files_oob": files_oob, "error": error, "error_hint": hint,
     }
 
@@ -283,8 +302,8 @@ async def weights_verify_quick_ui(request: AdminRequest) -> Template:
         more = len(report.problems) - QUICK_PROBLEMS_SHOWN
         return Outcome(error=f"Quick check failed: {problems}"
                        + (f" (and {more} more)" if more > 0 else ""),
-                       hint="the damaged files were marked for download: pull again (or "
-                       "re-import them)")
+                       hint="fetch the damaged files again (the button in the status above, or "
+                       "`appliance weights refetch`), or re-import them")
 
     return await _act(request, "verify", "verify", "quick", ok, work, _defaults(runtime))
 
@@ -304,6 +323,22 @@ async def weights_verify_full_ui(request: AdminRequest,
     forms = _defaults(runtime)
     forms.rehash = rehash
     return await _act(request, "verify", "verify", "full", {"rehash": rehash}, work, forms)
+
+
+@post("/weights/refetch", **GUARDED)
+async def weights_refetch_ui(request: AdminRequest) -> Template:
+    """Fetch the damaged files again: a separate, audited step after a verification (or the
+    quick check) found damage; from the endpoint configured now."""
+    runtime = runtime_of(request)
+    endpoint = runtime.config.weights.endpoint
+
+    async def work() -> Outcome:
+        view = await runtime.weights.refetch(actor=request.user.username)
+        return Outcome(notice=f"Fetching the damaged files of {view.repo_id}@"
+                       f"{(view.commit or '')[:12]} again from {endpoint}.")
+
+    return await _act(request, "verify", "refetch", runtime.config.weights_repo,
+                      {"endpoint": endpoint}, work, _defaults(runtime))
 
 
 @post("/weights/import", **GUARDED)

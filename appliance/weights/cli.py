@@ -1,10 +1,16 @@
-"""`appliance weights …`: pull, status, verify, import, export-manifest, cancel.
+"""`appliance weights …`: pull, status, verify, refetch, import, export-manifest, cancel.
 
 When the daemon runs (it holds the state directory's lock), commands go to its admin API and
 the job runs there, surviving this terminal; Ctrl-C only stops watching. When it does not
 (a box being set up), the command runs the same service in this process, holding the lock so
 a daemon cannot start beside it; Ctrl-C stops the job and the next pull (or daemon) resumes
 it. Every command prints a progress bar on a terminal and takes `--json`.
+
+Read-only commands (`status`, `export-manifest`) work whoever holds the lock: `status` asks
+the daemon when one answers, and otherwise (another CLI runs a job, or no admin account can
+act yet) reads what the database holds. Exit status: 0 when the command did what it says;
+1 when a job failed, a check found damage, or a full verification found a file that does
+not match the manifest; 64 for bad input; 75 when the daemon does not answer.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 
 from appliance.config import Config, check_endpoint, check_repo_id
 from appliance.errors import EX_USAGE, AlreadyRunning, ApplianceError
+from appliance.weights.views import bytes_text
 
 FINAL = ("idle", "failed")
 
@@ -34,10 +41,19 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     pull.add_argument("--revision", help="branch, tag or commit (default: weights.revision)")
     pull.add_argument("--endpoint", help="Hub or mirror URL (default: weights.endpoint)")
     status = cmds.add_parser("status", parents=[common], help="manifest, progress, files")
-    verify = cmds.add_parser("verify", parents=[common], help="quick check, or --full hashes")
+    verify = cmds.add_parser(
+        "verify", parents=[common], help="quick check, or --full hashes",
+        description="Check the active set. Exit status 1 when a file is damaged: the quick "
+        "check failed, or --full found a file that does not match the manifest (it is named, "
+        "with the expected and found digests, and moved to the model directory's "
+        ".quarantine/). Fetching it again is a separate step: `appliance weights refetch`.")
     verify.add_argument("--full", action="store_true", help="sha256 of every file")
     verify.add_argument("--rehash", action="store_true",
                         help="with --full: hash files unchanged since they were proven too")
+    refetch = cmds.add_parser(
+        "refetch", parents=[common], help="fetch damaged or missing files again",
+        description="Fetch the active set's damaged or missing files again, pinned to its "
+        "commit, from weights.endpoint as configured now. Files still proven are kept.")
     imp = cmds.add_parser("import", parents=[common], help="adopt a checkpoint from a folder")
     imp.add_argument("directory", type=Path)
     imp.add_argument("--manifest", type=Path, help="manifest JSON (default DIR/manifest.json)")
@@ -48,9 +64,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                         help="hash a trusted copy in this folder instead of the recorded set")
     export.add_argument("--repo", help="with --from-dir: the repo id (default engine.model)")
     cancel = cmds.add_parser("cancel", parents=[common], help="cancel the job in flight")
-    for cmd in (pull, status, verify, imp, cancel):
+    for cmd in (pull, status, verify, refetch, imp, cancel):
         cmd.add_argument("--json", action="store_true", help="print JSON")
-    for cmd in (pull, verify, imp):
+    for cmd in (pull, verify, refetch, imp):
         cmd.add_argument("--detach", action="store_true",
                          help="with a running daemon: return at once, do not follow")
 
@@ -67,8 +83,35 @@ def run(args: argparse.Namespace, config: Config) -> int:
                                      f"{expected}", f"fix --{key}", exit_code=EX_USAGE)
     with _mode(config) as local:
         if local is None:
+            if command == "status":
+                return _status_elsewhere(args, config)
             return _remote(args, config)
         return _local(args, config)
+
+
+def _status_elsewhere(args: argparse.Namespace, config: Config) -> int:
+    """Another process holds the state directory: the daemon's live view when it answers;
+    else what the database holds (a CLI job elsewhere, or no admin account ready yet)."""
+    try:
+        return _remote(args, config)
+    except ApplianceError as exc:
+        if exc.code not in ("daemon_unreachable", "no_admin"):
+            raise
+    from appliance.clock import SystemClock
+    from appliance.db.database import Database
+    from appliance.weights.service import WeightsService
+
+    try:
+        holder = (config.paths.state_dir / "appliance.lock").read_text().strip() or "unknown"
+    except OSError:
+        holder = "unknown"
+    db = Database(config.database_url)
+    try:
+        service = WeightsService(config, db, SystemClock())
+        view = asyncio.run(service.observed(holder)).to_dict()
+    finally:
+        db.dispose()
+    return _report(args, view)
 
 
 @contextlib.contextmanager
@@ -111,20 +154,31 @@ def _remote(args: argparse.Namespace, config: Config) -> int:
             elif command == "verify":
                 view = _checked(api.post("/api/v1/weights/verify",
                                          json={"full": True, "rehash": args.rehash}))
+            elif command == "refetch":
+                view = _checked(api.post("/api/v1/weights/refetch"))
             else:
                 view = _checked(api.post("/api/v1/weights/import", json={
                     "directory": str(args.directory.absolute()),
                     "manifest": str(args.manifest.absolute()) if args.manifest else None}))
             if not args.detach:
-                view = _follow(lambda: _checked(api.get("/api/v1/weights/")), args.json)
+                view = _follow(lambda: _checked(api.get("/api/v1/weights/")), args.json,
+                               job="verify" if command == "verify" else "")
     return _report(args, view)
 
 
-def _follow(poll: Callable[[], dict[str, Any]], quiet: bool) -> dict[str, Any]:
+def _follow(poll: Callable[[], dict[str, Any]], quiet: bool, job: str = "") -> dict[str, Any]:
+    """Poll until the job ends; with `job`, until that job ends, not one it hands over to
+    (a verification's automatic refetch runs on in the daemon)."""
     bar = ProgressBar(enabled=not quiet)
     view = poll()
+
+    def running(view: dict[str, Any]) -> bool:
+        if job:
+            return bool(view.get("job") == job)
+        return view["activity"] not in FINAL
+
     try:
-        while view["activity"] not in FINAL:
+        while running(view):
             bar.show(view)
             time.sleep(1.0)
             view = poll()
@@ -164,6 +218,8 @@ async def _local_main(args: argparse.Namespace, service: Any) -> int:
                                      revision=args.revision, endpoint=args.endpoint)
     elif command == "verify" and args.full:
         start = lambda: service.verify_full(actor=_actor(), rehash=args.rehash)  # noqa: E731
+    elif command == "refetch":
+        start = lambda: service.refetch(actor=_actor(), via="cli")  # noqa: E731
     elif command == "import":
         start = lambda: service.import_dir(  # noqa: E731
             args.directory.absolute(), actor=_actor(),
@@ -175,16 +231,20 @@ async def _local_main(args: argparse.Namespace, service: Any) -> int:
             await service.cancel(actor=_actor())
         elif start is not None:
             await start()
-            await _watch_local(service, args.json)
+            # A verification reports its own verdict: an automatic refetch it started is
+            # recorded and resumes with the daemon or `appliance weights refetch`.
+            await _watch_local(service, args.json,
+                               service.wait_job() if command == "verify" else
+                               service.wait_idle())
         view = (await service.status()).to_dict()
     finally:
         await service.stop_service()
     return _report(args, view)
 
 
-async def _watch_local(service: Any, quiet: bool) -> None:
+async def _watch_local(service: Any, quiet: bool, until: Awaitable[None]) -> None:
     bar = ProgressBar(enabled=not quiet)
-    task = asyncio.ensure_future(service.wait_idle())
+    task = asyncio.ensure_future(until)
     persist = asyncio.ensure_future(service.persist_loop())
     try:
         while not task.done():
@@ -213,23 +273,30 @@ def _actor() -> str:
 
 
 def _report(args: argparse.Namespace, view: dict[str, Any]) -> int:
+    command = args.weights_command
+    full = command == "verify" and getattr(args, "full", False)
+    verification = view.get("verification") or {}
     failed = view.get("activity") == "failed" or (
-        args.weights_command == "verify" and not getattr(args, "full", False)
-        and view.get("quick_ok") is False)
+        command == "verify" and not full and view.get("quick_ok") is False) or (
+        full and verification.get("ok") is False)
     if args.json:
         print(json.dumps(view, indent=2))
     else:
-        print(describe(view))
+        print(describe(view, verdict=full))
     return 1 if failed else 0
 
 
-def describe(view: dict[str, Any]) -> str:
+def describe(view: dict[str, Any], *, verdict: bool = False) -> str:
+    """The status for a person; `verdict`: lead with the last full verification's."""
     lines = []
+    verification = view.get("verification")
+    if verdict and verification:
+        lines += _verdict_lines(verification)
     if view.get("repo_id"):
         lines.append(f"weights: {view['repo_id']}@{(view.get('commit') or '')[:12]} "
                      f"({view.get('revision')}) from {view.get('source')}")
-        lines.append(f"  {len(view.get('files', []))} files, {_size(view['total_bytes'])}, "
-                     f"in {view['model_dir']}")
+        lines.append(f"  {len(view.get('files', []))} files, "
+                     f"{bytes_text(view['total_bytes'])}, in {view['model_dir']}")
     else:
         lines.append("weights: no manifest recorded yet (`appliance weights pull`)")
     lines.append(f"  {view['activity']}: {view['message']}")
@@ -240,6 +307,10 @@ def describe(view: dict[str, Any]) -> str:
         lines.append("  files: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
     if view.get("full_verified_at"):
         lines.append(f"  fully verified at {view['full_verified_at']}")
+    problems = view.get("disk_problems") or []
+    if problems:
+        lines.append("  changed on disk since proven:")
+        lines += [f"    {p}" for p in problems[:10]]
     if view.get("quick_ok") is not None:
         lines.append("  quick check: " + ("passed" if view["quick_ok"] else "FAILED"))
         lines += [f"    {p}" for p in view.get("quick_problems", [])[:10]]
@@ -288,16 +359,23 @@ def render_bar(view: dict[str, Any], width: int = 30) -> str:
     shown_eta = f" ETA {_duration(eta)}" if eta else ""
     rate = view.get("rate_bps") or 0
     return (f"[{'#' * filled}{'.' * (width - filled)}] {percent:5.1f}% "
-            f"{_size(view.get('done_bytes') or 0)}/{_size(view.get('total_bytes') or 0)} "
-            f"{_size(rate)}/s{shown_eta}  {view['activity']}: {view['message'][:60]}")
+            f"{bytes_text(view.get('done_bytes') or 0)}/"
+            f"{bytes_text(view.get('total_bytes') or 0)} "
+            f"{bytes_text(rate)}/s{shown_eta}  {view['activity']}: {view['message'][:60]}")
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
+def _verdict_lines(verification: dict[str, Any]) -> list[str]:
+    """The full verification's verdict first, one file a line: what the manifest expects,
+    what was found, where the file was moved."""
+    if verification["ok"]:
+        return [f"verify --full: {verification['summary']}"]
+    lines = [f"verify --full: FAILED: {verification['summary']}"]
+    for m in verification["mismatches"]:
+        lines.append(f"  {m['path']}")
+        lines.append(f"    expected: {m['algorithm']} {m['expected']}")
+        lines.append(f"    found:    {m['found']}")
+        lines.append(f"    moved to: {m['moved_to'] or '(nothing to move)'}")
+    return lines
 
 
 def _duration(seconds: float) -> str:

@@ -31,12 +31,13 @@ from typing import IO
 from urllib.parse import urljoin, urlsplit
 
 from appliance.weights.hashing import Digest
-from appliance.weights.sources import SourceError, classify_status
+from appliance.weights.sources import SourceError, classify_status, network_reason
 
 BUFFER = 1 << 20
 MAX_REDIRECTS = 5
 CONNECT_TIMEOUT = 10.0
 REPORT_EVERY = 0.25  # seconds between progress reports to the event loop
+UNREACHABLE = "cannot reach"  # how a failure to connect at all begins
 
 
 class RetryAttempt(Exception):
@@ -44,11 +45,12 @@ class RetryAttempt(Exception):
     `progressed` whether bytes were added to the part (it resets the backoff)."""
 
     def __init__(self, message: str, *, retry_after: float | None = None,
-                 progressed: bool = False) -> None:
+                 progressed: bool = False, unreachable: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.retry_after = retry_after
         self.progressed = progressed
+        self.unreachable = unreachable  # no connection at all: the source, not the file
 
 
 class Refused(Exception):
@@ -151,7 +153,8 @@ def _open(plan: Plan) -> http.client.HTTPResponse:
             connection.close()
             if plan.cancel.is_set():
                 raise Cancelled from None
-            raise RetryAttempt(f"connection failed: {type(exc).__name__}: {exc}"[:300]) from None
+            raise RetryAttempt(f"{UNREACHABLE} {_base(url)}: {network_reason(exc)}"[:300],
+                               unreachable=True) from None
         location = response.getheader("Location")
         if response.status in (301, 302, 303, 307, 308) and location:
             response.close()
@@ -162,6 +165,12 @@ def _open(plan: Plan) -> http.client.HTTPResponse:
             continue
         return response
     raise RetryAttempt(f"more than {MAX_REDIRECTS} redirects")
+
+
+def _base(url: str) -> str:
+    """scheme://host[:port] of `url`: what a person checks when it cannot be reached."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc.rsplit('@', 1)[-1]}"
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:
@@ -267,7 +276,8 @@ def _receive(plan: Plan, response: http.client.HTTPResponse, offset: int,
             except (OSError, http.client.HTTPException) as exc:
                 if plan.cancel.is_set():
                     raise Cancelled from None
-                raise RetryAttempt(f"connection failed: {type(exc).__name__}: {exc}"[:300],
+                raise RetryAttempt(f"the connection broke at byte {received}: "
+                                   f"{network_reason(exc)}"[:300],
                                    progressed=received > offset) from None
             count = len(data)
             if not count:

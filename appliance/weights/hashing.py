@@ -117,7 +117,7 @@ class HashResult:
             return f"{self.path}: {self.error}"
         return (f"{self.path}: {self.algorithm} is {self.actual} but the manifest expects "
                 f"{self.expected}: the bytes on disk are corrupt; fetch it again with "
-                "`appliance weights pull` or re-copy it")
+                "`appliance weights refetch` or re-copy it")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import errno
 import os
+import re
 import shutil
 import threading
 from collections.abc import Callable, Sequence
@@ -36,7 +37,13 @@ from appliance.weights.live import LiveFile
 from appliance.weights.manifest import Manifest, ManifestFile, manifest_from_json
 from appliance.weights.pull import adopt_manifest, complete, mark_verified
 from appliance.weights.sources import read_manifest_file
-from appliance.weights.views import Activity, FileState
+from appliance.weights.views import (
+    Activity,
+    FileState,
+    Mismatch,
+    VerifyOutcome,
+    bytes_text,
+)
 
 if TYPE_CHECKING:
     from appliance.weights.service import WeightsService
@@ -79,14 +86,27 @@ def progress_sink(service: WeightsService) -> Callable[[str, int], None]:
 
 def quarantine(target_dir: Path, path: str) -> Path | None:
     """Move a damaged file aside (`<model dir>/.quarantine/<path>`), out of the engine's way;
-    None when there was nothing to move."""
+    None when there was nothing to move. Never deletes: an earlier quarantined copy of the
+    same file is kept, and this one gets a numbered name beside it."""
     source = target_dir / path
     if not source.exists():
         return None
     destination = target_dir / QUARANTINE / path
     destination.parent.mkdir(parents=True, exist_ok=True)
+    number = 1
+    while os.path.lexists(destination):
+        destination = target_dir / QUARANTINE / f"{path}.{number}"
+        number += 1
     os.replace(source, destination)
     return destination
+
+
+def quarantined(target_dir: Path, paths: Sequence[str]) -> list[str]:
+    """The manifest paths with a copy in the model directory's quarantine (blocking)."""
+    root = target_dir / QUARANTINE
+    if not root.is_dir():
+        return []
+    return [p for p in paths if os.path.lexists(root / p)]
 
 
 def _unchanged(record: records.FileRecord, target: Path) -> bool:
@@ -99,9 +119,10 @@ def _unchanged(record: records.FileRecord, target: Path) -> bool:
 
 
 async def _hash_and_record(service: WeightsService, set_id: int, target_dir: Path,
-                           todo: Sequence[records.FileRecord], *,
-                           drop_cache: bool = True) -> dict[str, HashResult]:
-    """Hash `todo` in place; matches are recorded verified, mismatches quarantined."""
+                           todo: Sequence[records.FileRecord], *, drop_cache: bool = True,
+                           moved: dict[str, Path] | None = None) -> dict[str, HashResult]:
+    """Hash `todo` in place; matches are recorded verified, mismatches (wrong bytes, or a
+    wrong size) quarantined, with where each went in `moved`."""
     if not todo:
         return {}
     for f in todo:
@@ -122,9 +143,14 @@ async def _hash_and_record(service: WeightsService, set_id: int, target_dir: Pat
                 live.state, live.last_error, live.dirty = FileState.VERIFIED.value, "", True
             continue
         error = result.message
-        if result.actual is not None:  # readable but wrong: keep it out of the engine's way
-            moved = await asyncio.to_thread(quarantine, target_dir, result.path)
-            error += f" (moved to {moved})" if moved else ""
+        size = await asyncio.to_thread(_size_of, target_dir / result.path)
+        if result.actual is not None or size is not None:
+            # Readable but wrong (bytes or size): keep it out of the engine's way.
+            to = await asyncio.to_thread(quarantine, target_dir, result.path)
+            if to is not None:
+                error += f" (moved to {to})"
+                if moved is not None:
+                    moved[result.path] = to
         if live is not None:
             live.state, live.bytes_done, live.last_error, live.dirty = (
                 FileState.FAILED.value, 0, error, True)
@@ -180,6 +206,9 @@ def _size_of(path: Path) -> int | None:
 
 
 async def run_full_verify(service: WeightsService, *, rehash: bool) -> None:
+    """Hash the active set against its manifest and record the verdict. A mismatch is
+    quarantined and reported; fetching it again is a separate step (`refetch`), taken here
+    only when the operator enabled `weights.auto_refetch`."""
     control = await service.db.run(records.get_control)
     if control.active_set_id is None:
         raise ApplianceError("weights_no_manifest", "no weights manifest is recorded yet",
@@ -194,58 +223,73 @@ async def run_full_verify(service: WeightsService, *, rehash: bool) -> None:
                                       attempts=f.attempts, last_error=f.last_error)
                      for f in files}
     todo = []
+    unchanged: list[records.FileRecord] = []
     for f in files:
         if not rehash and await asyncio.to_thread(_unchanged, f, target_dir / f.path):
             service._live[f.path].bytes_done = f.size
+            unchanged.append(f)
         else:
             todo.append(f)
     total = sum(f.size for f in todo)
     keep_cached = service.config.weights.prewarm and should_prewarm(
         record.total_bytes, psutil.virtual_memory().total)
     service.set_activity(Activity.VERIFYING, f"hashing {len(todo)} of {len(files)} files "
-                         f"({total / 1e9:.2f} GB; {len(files) - len(todo)} unchanged since "
-                         "they were proven)" + (", warming the page cache" if keep_cached
-                                                 else ""))
+                         f"({bytes_text(total)}; {len(unchanged)} unchanged since their last "
+                         "full hash)" + (", warming the page cache" if keep_cached else ""))
     loop = asyncio.get_running_loop()
     started = loop.time()
+    moved: dict[str, Path] = {}
     results = await _hash_and_record(service, set_id, target_dir, todo,
-                                     drop_cache=not keep_cached)
+                                     drop_cache=not keep_cached, moved=moved)
     seconds = max(loop.time() - started, 1e-6)
-    bad = sorted(p for p, r in results.items() if not r.ok)
-    speed = f"{total / seconds / 1e9:.2f} GB/s" if todo else "nothing to hash"
-    if bad:
-        now = service.clock.now()
+    since = [f.verified_at for f in unchanged if f.verified_at is not None]
+    outcome = VerifyOutcome(
+        at=service.clock.now(), files=len(files), hashed=len(todo), unchanged=len(unchanged),
+        unchanged_since=min(since) if since else None,
+        mismatches=tuple(_mismatch(r, moved.get(p)) for p, r in sorted(results.items())
+                         if not r.ok),
+        rate_text=f"{bytes_text(total / seconds)}/s" if todo else "")
+    service.note_verification(set_id, outcome)
+    if not outcome.ok:
         await service.db.run(lambda s: records.set_full_verified(s, set_id, None))
-        endpoint = _endpoint_of(record)
-        await service.finish_job(failed=f"{len(bad)} file(s) do not match the manifest: "
-                                 f"{', '.join(bad[:5])}", hint=(
-                                      "a pull now fetches only those files" if endpoint else
-                                      "copy those files again and import, or pull them"))
-        if endpoint:
-            await service.db.run(lambda s: records.set_control(
-                s, at=now, by="verification", job="pull",
-                job_args={"repo": record.repo_id, "revision": record.commit,
-                          "endpoint": endpoint}))
-            service.launch_job("pull", {"repo": record.repo_id, "revision": record.commit,
-                                     "endpoint": endpoint})
+        refetch = service.config.weights.auto_refetch and refetchable(record)
+        await service.finish_job(failed=outcome.summary, hint=(
+            "fetching them again now (weights.auto_refetch is on)" if refetch else
+            "fetch them again: `appliance weights refetch` (or the Weights page's "
+            "\"Fetch the damaged files again\")" if refetchable(record) else
+            "copy those files again and re-run the import"))
+        if refetch:
+            await service.refetch(actor="weights (weights.auto_refetch)", via="automatic",
+                                  handover=True)
         return
-    now = service.clock.now()
-    await service.db.run(lambda s: records.set_full_verified(s, set_id, now))
+    # Only bytes read now prove anything: a run that read none keeps the old time.
+    if todo and (len(todo) == len(files) or record.full_verified_at is None):
+        now = service.clock.now()
+        await service.db.run(lambda s: records.set_full_verified(s, set_id, now))
+    elif record.full_verified_at is None:
+        at = outcome.unchanged_since or service.clock.now()
+        await service.db.run(lambda s: records.set_full_verified(s, set_id, at))
     if keep_cached and len(todo) == len(files):
         service.note_warm()
     await service.quick_verify()
-    await service.finish_job(message=f"all {len(files)} files match the manifest "
-                             f"({len(todo)} hashed at {speed})")
+    await service.finish_job(message=outcome.summary)
     if service.on_ready is not None:
         await service.on_ready()
 
 
-def _endpoint_of(record: records.SetRecord) -> str | None:
-    """The Hub endpoint a set was pulled from (its source is `<endpoint>/<repo>`)."""
-    suffix = "/" + record.repo_id
-    if record.source.startswith(("http://", "https://")) and record.source.endswith(suffix):
-        return record.source[: -len(suffix)]
-    return None
+def _mismatch(result: HashResult, moved: Path | None) -> Mismatch:
+    if result.actual is not None:
+        found = f"{result.algorithm} {result.actual}"
+    else:  # not readable as the manifest's file: say what stood in its place
+        found = (result.error or "unreadable").removeprefix(f"{result.path}: ")
+    return Mismatch(result.path, result.algorithm, result.expected, found,
+                    str(moved) if moved else None)
+
+
+def refetchable(record: records.SetRecord) -> bool:
+    """A set whose commit the Hub knows (a pull, or an import of a Hub snapshot); an import
+    of a local copy (`local-…` commit) can only be copied again."""
+    return bool(re.fullmatch(r"[0-9a-f]{40}", record.commit))
 
 
 # --- import ---------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from appliance.weights.downloader import (
     TransferPolicy,
     part_path,
 )
-from appliance.weights.fetch import Throttle
+from appliance.weights.fetch import UNREACHABLE, Throttle
 from appliance.weights.live import LiveFile
 from appliance.weights.manifest import Manifest, Needs, needs, space_problem
 from appliance.weights.sources import HubSource, SourceError
@@ -39,7 +39,10 @@ log = logging.getLogger("appliance.weights")
 
 
 async def run_pull(service: WeightsService, args: dict[str, Any]) -> None:
-    repo, revision, endpoint = args["repo"], args["revision"], args["endpoint"]
+    # An endpoint pinned by the request, else the one configured now (never the one the set
+    # was first pulled from: a refetch after a move to another mirror goes to the new one).
+    repo, revision = args["repo"], args["revision"]
+    endpoint = (args.get("endpoint") or service.config.weights.endpoint).rstrip("/")
     source = HubSource(endpoint, repo, _token(service))
     async with _client(service) as client:
         manifest = await _resolve(service, client, source, repo, revision)
@@ -85,8 +88,11 @@ async def _resolve(service: WeightsService, client: httpx.AsyncClient, source: H
                 raise
             failures += 1
             delay = policy.backoff(failures)
-            service.set_activity(Activity.RESOLVING, f"retrying in {delay:.0f} s: "
-                                 f"{exc.message}", exc.hint)
+            # One clear job-level line: what cannot be reached and when the next try is.
+            service.set_activity(Activity.PAUSED if exc.message.startswith(UNREACHABLE)
+                                 else Activity.RESOLVING, f"{exc.message}; next try in "
+                                 f"{delay:.0f} s (attempt {failures + 1}; retrying until it "
+                                 "answers or the pull is cancelled)", exc.hint)
             await service.record_event("warning", f"weights manifest: {exc.message}; retry "
                                        f"{failures} in {delay:.0f} s")
             await asyncio.sleep(delay)
@@ -241,6 +247,8 @@ class _Listener:
     def __init__(self, service: WeightsService, set_id: int) -> None:
         self.service = service
         self.set_id = set_id
+        self.message = service._message  # the job's line while bytes flow
+        self.unreachable: set[str] = set()  # files whose last try could not connect
 
     def _live(self, path: str) -> LiveFile:
         live = self.service.live_file(path)
@@ -255,14 +263,30 @@ class _Listener:
 
     def on_bytes(self, path: str, bytes_done: int) -> None:
         now = asyncio.get_running_loop().time()
-        self._live(path).progress(now, bytes_done)
+        live = self._live(path)
+        moved = bytes_done > live.bytes_done
+        live.progress(now, bytes_done)
         self.service.note_total()
+        if moved and path in self.unreachable:
+            self.unreachable.discard(path)
+            if self.service._activity == Activity.PAUSED:
+                self.service.set_activity(Activity.DOWNLOADING, self.message)
 
     def on_retry(self, path: str, attempt: int, error: str, delay: float) -> None:
         live = self._live(path)
         live.state, live.attempts, live.last_error, live.dirty = (
             FileState.RETRYING.value, attempt, error, True)
         live.meter.reset()
+        if error.startswith(UNREACHABLE):
+            # The source, not this file: say it once for the job, not as a table of errors.
+            self.unreachable.add(path)
+            self.service.set_activity(
+                Activity.PAUSED, f"{error}; next try in {delay:.0f} s (retrying until it "
+                "answers or the pull is cancelled)", "check the network, a proxy, or "
+                "weights.endpoint (another mirror: change it and run `appliance weights "
+                "refetch`, or pull again)")
+        elif path in self.unreachable:
+            self.unreachable.discard(path)
         message = f"weights: {path}: {error}; retry {attempt} in {delay:.0f} s"
         log.warning("%s", message)
         task = asyncio.ensure_future(self.service.record_event("warning", message))

@@ -27,7 +27,7 @@ from appliance.weights.safetensors import ShardHeader, check_shard
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
 EXAMPLES = 3  # tensor names quoted per coverage problem; a shard can hold thousands
-REFETCH = "fetch it again with `appliance weights pull` or re-copy it"
+REFETCH = "fetch it again with `appliance weights refetch` or re-copy it"
 
 
 @dataclass(frozen=True)

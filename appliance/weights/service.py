@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import logging
 from collections.abc import Awaitable, Callable
@@ -25,14 +26,22 @@ import httpx
 from appliance.clock import Clock
 from appliance.config import Config
 from appliance.db.database import Database
-from appliance.db.journal import add_event
+from appliance.db.journal import add_audit, add_event
 from appliance.engine.args import model_dir
 from appliance.errors import ApplianceError
 from appliance.weights import records
 from appliance.weights.live import LiveFile, RateMeter, eta
 from appliance.weights.manifest import Manifest
 from appliance.weights.quick import QuickReport, quick_verify
-from appliance.weights.views import Activity, FileState, FileView, Verdict, WeightsView
+from appliance.weights.views import (
+    Activity,
+    FileState,
+    FileView,
+    Verdict,
+    VerifyOutcome,
+    WeightsView,
+    bytes_text,
+)
 
 log = logging.getLogger("appliance.weights")
 PERSIST_SECONDS = 2.0
@@ -68,6 +77,8 @@ class WeightsService:
         self._quick: QuickReport | None = None
         self._quick_at: dt.datetime | None = None
         self._quick_set: int | None = None
+        self._verification: VerifyOutcome | None = None
+        self._verification_set: int | None = None
         self.on_ready: Callable[[], Awaitable[None]] | None = None
         # An operator's new pull refuses outright when the volume is short; a pull resumed
         # after a restart (or short mid-way) waits for space instead.
@@ -114,16 +125,77 @@ class WeightsService:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(self._task)
 
+    async def wait_job(self) -> None:
+        """Until the job running now ends, not any job it hands over to (the CLI's verify
+        reports its own verdict; a refetch it started carries on, or resumes later)."""
+        task = self._task
+        if task is not None and not task.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(task)
+
+    async def observed(self, holder: str) -> WeightsView:
+        """The status as another process (a CLI pull holding the state directory) last
+        wrote it: read-only, no job is started or changed here."""
+        control = await self.db.run(records.get_control)
+        if not control.job:
+            return await self.status()
+        self._job = control.job  # no disk look while that process moves files
+        try:
+            view = await self.status()
+        finally:
+            self._job = ""
+        activity = {"pull": Activity.DOWNLOADING, "verify": Activity.VERIFYING,
+                    "import": Activity.IMPORTING}.get(control.job, Activity.RESOLVING)
+        return dataclasses.replace(
+            view, activity=activity.value, rate_bps=0.0, eta_seconds=None,
+            message=f"a weights {control.job} is running in another process (pid {holder}, "
+            f"started by {control.updated_by}); the figures are as it last wrote them",
+            hint="follow it where it runs, or cancel it there (Ctrl-C)")
+
     # --- commands ---------------------------------------------------------------------------
 
     async def pull(self, *, actor: str, repo: str | None = None, revision: str | None = None,
                    endpoint: str | None = None) -> WeightsView:
+        """Start a pull. An endpoint given here is pinned to the job; without one the job
+        uses `weights.endpoint` as configured when it (re)starts, so a pull resumed after
+        the operator moved to another mirror goes there, not to the old one."""
         weights = self.config.weights
         args = {"repo": repo or self.config.weights_repo,
                 "revision": revision or weights.revision,
-                "endpoint": (endpoint or weights.endpoint).rstrip("/")}
+                "endpoint": (endpoint or "").rstrip("/")}
+        shown = args["endpoint"] or weights.endpoint.rstrip("/")
         await self._begin("pull", args, actor,
-                          f"pull of {args['repo']}@{args['revision']} from {args['endpoint']}")
+                          f"pull of {args['repo']}@{args['revision']} from {shown}")
+        return await self.status()
+
+    async def refetch(self, *, actor: str, via: str = "", handover: bool = False
+                      ) -> WeightsView:
+        """Fetch the active set's damaged or missing files again (a pull pinned to its
+        commit: files still proven are kept), from the endpoint configured now. With `via`
+        ("automatic", "cli") it is audited here; the console and the API audit their own
+        requests. `handover`: called from the job now ending (a verification), which the
+        new job replaces."""
+        from appliance.weights.importer import refetchable
+
+        record = await self.db.run(active_set)
+        if record is None:
+            raise _no_manifest()
+        if not refetchable(record):
+            raise ApplianceError(
+                "weights_not_refetchable", f"{record.repo_id}@{record.commit[:12]} was "
+                f"imported from {record.source}, which no Hub serves",
+                "copy the damaged files again and re-run `appliance weights import`",
+                status=409)
+        endpoint = self.config.weights.endpoint.rstrip("/")
+        await self._begin("pull", {"repo": record.repo_id, "revision": record.commit,
+                                   "endpoint": ""}, actor,
+                          f"refetch of the damaged files of {record.repo_id}@"
+                          f"{record.commit[:12]} from {endpoint}", handover=handover)
+        if via:
+            at = self.clock.now()
+            await self.db.run(lambda s: add_audit(
+                s, at=at, actor=actor, action="weights.refetch", target=record.repo_id,
+                detail={"via": via, "commit": record.commit, "endpoint": endpoint}))
         return await self.status()
 
     async def verify_full(self, *, actor: str, rehash: bool = False) -> WeightsView:
@@ -191,8 +263,8 @@ class WeightsService:
             shown = "; ".join(f"{p.path}: {p.message}" for p in (report.problems if report
                                                                  else ())[:3])
             return Verdict(False, f"the quick check of the weights failed: {shown}",
-                           "the damaged files were marked for download; run `appliance "
-                           "weights pull` (or re-import them), then start again")
+                           "fetch the damaged files again (`appliance weights refetch`, "
+                           "or re-import them), then start again")
         return Verdict(True, f"{engine_repo}@{record.commit[:12]} verified "
                        f"{record.full_verified_at:%Y-%m-%d %H:%M} UTC, quick check passed now")
 
@@ -212,6 +284,10 @@ class WeightsService:
             raise _no_manifest()
         set_id = control.active_set_id
         return await self.db.run(lambda s: records.load_manifest(s, set_id))
+
+    def note_verification(self, set_id: int, outcome: VerifyOutcome) -> None:
+        """Keep the last full verification's verdict for the status (CLI, page, API)."""
+        self._verification, self._verification_set = outcome, set_id
 
     def dir_for(self, repo_id: str) -> Path:
         return model_dir(self.config.paths.models_dir, repo_id)
@@ -240,8 +316,16 @@ class WeightsService:
         rate = self._total_meter.rate(now) if self._activity not in (
             Activity.IDLE, Activity.FAILED) else 0.0
         quick = self._quick if record and self._quick_set == record.id else None
+        # A cheap look at the disk (a stat per file) whenever no job is moving files, so a
+        # shard deleted or replaced since it was proven never reads "ready".
+        disk = (await asyncio.to_thread(disk_problems, self.dir_for(record.repo_id), files)
+                if record and not self._job else ())
         ready = bool(record and record.full_verified_at and record.repo_id ==
-                     self.config.engine.model and (quick is None or quick.ok))
+                     self.config.engine.model and (quick is None or quick.ok) and not disk)
+        verification = (self._verification if record and self._verification_set == record.id
+                        else None)
+        damaged = any(f.state in (FileState.FAILED, FileState.MISSING) for f in files)
+        refetchable = bool(record and (damaged or disk) and _refetchable(record))
         return WeightsView(
             repo_id=record.repo_id if record else None,
             revision=record.revision if record else None,
@@ -255,12 +339,14 @@ class WeightsService:
             quick_checked_at=self._quick_at if quick else None,
             quick_ok=quick.ok if quick else None,
             quick_problems=tuple(f"{p.path}: {p.message}" for p in quick.problems)
-            if quick else (), ready_for_engine=ready)
+            if quick else (), ready_for_engine=ready, job=self._job,
+            verification=verification, disk_problems=disk, refetchable=refetchable)
 
     # --- job plumbing -----------------------------------------------------------------------
 
-    async def _begin(self, job: str, args: dict[str, Any], actor: str, what: str) -> None:
-        if self._task is not None and not self._task.done():
+    async def _begin(self, job: str, args: dict[str, Any], actor: str, what: str, *,
+                     handover: bool = False) -> None:
+        if not handover and self._task is not None and not self._task.done():
             raise JobBusy(self._job)
         now = self.clock.now()
         await self.db.run(lambda s: records.set_control(s, at=now, by=actor, job=job,
@@ -398,6 +484,30 @@ class WeightsService:
 def active_set(session: Any) -> records.SetRecord | None:
     set_id = records.get_control(session).active_set_id
     return records.get_set(session, set_id) if set_id is not None else None
+
+
+def _refetchable(record: records.SetRecord) -> bool:
+    from appliance.weights.importer import refetchable
+
+    return refetchable(record)
+
+
+def disk_problems(model_dir: Path, files: list[records.FileRecord]) -> tuple[str, ...]:
+    """Files recorded verified that are gone or have another size now: one stat each, cheap
+    enough for every status read. Blocking."""
+    problems = []
+    for f in files:
+        if f.state != FileState.VERIFIED:
+            continue
+        try:
+            size = (model_dir / f.path).stat().st_size
+        except OSError:
+            problems.append(f"{f.path} is missing from {model_dir}")
+            continue
+        if size != f.size:
+            problems.append(f"{f.path} is {bytes_text(size)} on disk, the manifest says "
+                            f"{bytes_text(f.size)}")
+    return tuple(problems)
 
 
 def _no_manifest() -> ApplianceError:

@@ -15,6 +15,8 @@ the Hub; see service.py.
 from __future__ import annotations
 
 import re
+import socket
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -122,7 +124,7 @@ class HubSource:
                               "within 30 s", "the pull retries by itself; check the endpoint "
                               "if it keeps failing", retryable=True) from None
         except httpx.TransportError as exc:
-            raise SourceError(f"cannot reach {self.endpoint}: {type(exc).__name__}",
+            raise SourceError(f"cannot reach {self.endpoint}: {network_reason(exc)}",
                               "check the network, a proxy, or weights.endpoint; the pull "
                               "retries by itself", retryable=True) from None
         refuse_status(response, f"{repo_id}@{revision}", self.endpoint)
@@ -138,6 +140,33 @@ class HubSource:
             raise ManifestError(f"the tree of {repo_id}@{revision} is not a list")
         link = response.links.get("next", {}).get("url")
         return body, link
+
+
+def network_reason(exc: BaseException) -> str:
+    """A transport failure in the operator's words ("connection refused", "the host name
+    does not resolve"), from the first cause in the chain that says what happened."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, socket.gaierror):
+            return "the host name does not resolve"
+        if isinstance(seen, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(seen, ConnectionResetError):
+            return "the connection was reset"
+        if isinstance(seen, TimeoutError):
+            return "no answer (timed out)"
+        if isinstance(seen, ssl.SSLError):
+            return f"TLS failed ({seen.reason or seen})"
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror[:1].lower() + seen.strerror[1:]
+        seen = seen.__cause__ or seen.__context__
+    text = str(exc).strip()  # httpcore may keep only the text of the OS error
+    for marker, words in (("Connection refused", "connection refused"),
+                          ("Name or service not known", "the host name does not resolve"),
+                          ("timed out", "no answer (timed out)")):
+        if marker in text:
+            return words
+    return text or type(exc).__name__
 
 
 def refuse_status(response: httpx.Response, what: str, endpoint: str) -> None:

@@ -43,6 +43,90 @@ class Verdict:
     hint: str = ""
 
 
+def bytes_text(n: int | float) -> str:
+    """A file size or byte count in decimal units (B, kB, MB, GB, TB), as the Hub shows
+    them: the one unit system of every weights figure (page, CLI, messages)."""
+    amount = float(n)
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(amount) < 1000:
+            return f"{amount:.0f} {unit}" if unit == "B" else f"{amount:.2f} {unit}"
+        amount /= 1000
+    return f"{amount:.2f} TB"
+
+
+def stamp(value: dt.datetime) -> str:
+    """A time as every weights message writes it (UTC, to the minute)."""
+    return f"{value.astimezone(dt.UTC):%Y-%m-%d %H:%M} UTC"
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One file a full verification found wrong: what the manifest expects, what is on disk,
+    and where the file went (quarantine moves, never deletes)."""
+
+    path: str
+    algorithm: str
+    expected: str
+    found: str          # the digest on disk, or what stood in for it ("missing", a size)
+    moved_to: str | None
+
+    def sentence(self) -> str:
+        moved = (f"; moved to {self.moved_to}" if self.moved_to else
+                 "; nothing to move")
+        return (f"{self.path}: expected {self.algorithm} {self.expected}, found "
+                f"{self.found}{moved}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "algorithm": self.algorithm, "expected": self.expected,
+                "found": self.found, "moved_to": self.moved_to}
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    """The verdict of the last full verification of the active set, in the operator's words.
+
+    `hashed` files were read now; `unchanged` ones were not (same size and mtime as when
+    they were last hashed, `unchanged_since` the oldest such hash). Only reading bytes proves
+    them, so a run that read nothing never says "match"."""
+
+    at: dt.datetime
+    files: int
+    hashed: int
+    unchanged: int
+    unchanged_since: dt.datetime | None
+    mismatches: tuple[Mismatch, ...]
+    rate_text: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    @property
+    def summary(self) -> str:
+        if self.mismatches:
+            names = ", ".join(m.path for m in self.mismatches[:5])
+            more = len(self.mismatches) - 5
+            return (f"{len(self.mismatches)} of {self.files} files do not match the manifest "
+                    f"and were moved out of the engine's way: {names}"
+                    + (f" and {more} more" if more > 0 else ""))
+        since = (f" on {stamp(self.unchanged_since)}" if self.unchanged_since else "")
+        unchanged = (f"{self.unchanged} file{'s' * (self.unchanged != 1)} unchanged since "
+                     f"their last full hash{since}")
+        if self.hashed == 0:
+            return f"{unchanged}; no bytes were read (--rehash reads every file)"
+        rate = f" at {self.rate_text}" if self.rate_text else ""
+        if self.unchanged == 0:
+            return f"all {self.files} files match the manifest (every byte read{rate})"
+        return (f"{self.hashed} file{'s' * (self.hashed != 1)} hashed{rate} and match the "
+                f"manifest; {unchanged}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"at": self.at.isoformat(), "ok": self.ok, "summary": self.summary,
+                "files": self.files, "hashed": self.hashed, "unchanged": self.unchanged,
+                "unchanged_since": _iso(self.unchanged_since),
+                "mismatches": [m.to_dict() for m in self.mismatches]}
+
+
 @dataclass(frozen=True)
 class FileView:
     path: str
@@ -89,6 +173,10 @@ class WeightsView:
     quick_ok: bool | None
     quick_problems: tuple[str, ...]
     ready_for_engine: bool
+    job: str = ""                              # the job running now ("" when none)
+    verification: VerifyOutcome | None = None  # the last full verification's verdict
+    disk_problems: tuple[str, ...] = ()        # files gone or resized since proven
+    refetchable: bool = False                  # damaged files a pull can fetch again
 
     @property
     def percent(self) -> float:
@@ -117,7 +205,9 @@ class WeightsView:
             "full_verified_at": _iso(self.full_verified_at),
             "quick_checked_at": _iso(self.quick_checked_at), "quick_ok": self.quick_ok,
             "quick_problems": list(self.quick_problems),
-            "ready_for_engine": self.ready_for_engine,
+            "ready_for_engine": self.ready_for_engine, "job": self.job,
+            "verification": self.verification.to_dict() if self.verification else None,
+            "disk_problems": list(self.disk_problems), "refetchable": self.refetchable,
         }
         if files:
             body["files"] = [f.to_dict() for f in self.files]
