@@ -1,5 +1,11 @@
 """The Engine page: state and progress, per-rank memory, argv with provenance, runs, actions
-(with their cost and a confirmation), and a live log tail (server-sent events)."""
+(with their cost and a confirmation), and a live log tail (server-sent events).
+
+What the status card shows fits the state: a load's progress only while a start is under way;
+while draining, stopping or stopped, the stop's facts instead (when it began, the signal sent,
+how the run ended); and only the actions that state accepts. The log's figures name the run
+they were read from, so figures from different runs can never sit side by side unlabelled.
+"""
 
 from __future__ import annotations
 
@@ -13,16 +19,70 @@ from litestar.response import Template
 
 from appliance.api.engine import cost_sentence, run_action
 from appliance.auth.middleware import client_address
-from appliance.engine.records import list_runs
+from appliance.engine.records import RunRecord, list_runs
 from appliance.engine.schedule import cancel_action, list_scheduled
-from appliance.engine.states import Command
+from appliance.engine.states import STARTING, Command, EngineState
+from appliance.engine.supervisor import EngineStatus
 from appliance.engine.views import spec_rows
 from appliance.errors import ApplianceError
 from appliance.runtime import runtime_of
 from appliance.ui.login import AdminRequest
 from appliance.ui.pages import GUARDED
+from appliance.ui.templating import when
 
 RUNS_SHOWN = 15
+
+
+# The states in which a load's progress bar means something: a start under way.
+SHOWS_PROGRESS = STARTING | {EngineState.ADOPTED}
+_SIGNALS = {1: "SIGHUP", 2: "SIGINT", 6: "SIGABRT", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
+
+
+def card_actions(status: EngineStatus) -> list[str]:
+    """The actions the card offers in this state, in order: only those the supervisor accepts
+    and that make sense (no start while an engine lives, no stop once stopped, nothing while a
+    stop is under way; a start in progress can be stopped but not restarted)."""
+    state = status.state
+    if state in (EngineState.STOPPED, EngineState.FAILED):
+        rollback = state is EngineState.FAILED and status.rollback_available
+        return ["start", "rollback"] if rollback else ["start"]
+    if state is EngineState.BACKOFF:
+        return ["start", "stop"]  # start now instead of waiting; or stop retrying
+    if state in (EngineState.DRAINING, EngineState.STOPPING):
+        return []
+    if state in STARTING:
+        return ["stop"]
+    return ["stop", "restart"]
+
+
+def stop_facts(status: EngineStatus, last_run: RunRecord | None, *, drain_seconds: int,
+               kill_after_seconds: int) -> list[str]:
+    """Sentences that say how the stop stands, for the draining, stopping and stopped card
+    (empty in other states, and for a stop that ended no run)."""
+    state, since = status.state, when(status.since)
+    if state is EngineState.DRAINING:
+        return [f"Stop requested; draining since {since}: new requests are refused, and the "
+                f"engine is sent SIGTERM once none is in flight, or after {drain_seconds} s.",
+                f"Now: {status.message}."]
+    if state is EngineState.STOPPING:
+        return [f"SIGTERM sent at {since}; the engine has up to {kill_after_seconds} s to exit "
+                "before its processes are killed (SIGKILL)."]
+    if state is not EngineState.STOPPED or last_run is None or last_run.ended_at is None:
+        return []
+    adopted_now = status.adopted and status.run_id == last_run.id
+    adopted = " (adopted after a daemon restart)" if last_run.adopted or adopted_now else ""
+    how = last_run.hint if last_run.reason == "stopped" and last_run.hint else (
+        f"it ended: {(last_run.reason or 'unknown').replace('_', ' ')}")
+    return [f"Run {last_run.id}{adopted}, started {when(last_run.started_at)}, ended "
+            f"{when(last_run.ended_at)}: {how}; {_exit(last_run.exit_code)}."]
+
+
+def _exit(code: int | None) -> str:
+    if code is None:
+        return "exit status not known"
+    if code < 0:
+        return f"killed by {_SIGNALS.get(-code, f'signal {-code}')}"
+    return f"exit status {code}"
 
 
 async def _status_context(request: AdminRequest, *, oob_runs: bool) -> dict[str, Any]:
@@ -31,8 +91,16 @@ async def _status_context(request: AdminRequest, *, oob_runs: bool) -> dict[str,
     the state without a reload."""
     runtime = runtime_of(request)
     runs = await runtime.db.run(lambda s: list_runs(s, RUNS_SHOWN))
-    return {"engine": runtime.supervisor.status, "cost": cost_sentence(runtime), "error": "",
-            "error_hint": "", "runs": runs, "oob_runs": oob_runs}
+    status = runtime.supervisor.status
+    engine = runtime.config.engine
+    return {"engine": status, "cost": cost_sentence(runtime), "error": "",
+            "error_hint": "", "runs": runs, "oob_runs": oob_runs,
+            "shows_progress": status.state in SHOWS_PROGRESS,
+            "actions_offered": card_actions(status),
+            "stop_facts": stop_facts(status, runs[0] if runs else None,
+                                     drain_seconds=engine.drain_seconds,
+                                     kill_after_seconds=engine.kill_after_seconds),
+            "log_run": next((run for run in runs if run.id == status.run_id), None)}
 
 
 @get("/engine", **GUARDED)
@@ -70,21 +138,20 @@ async def engine_action_ui(
     """Run an action from the Engine page; the answer is the status card. A refusal (409)
     carries the card with the reason, which the page swaps in like a success."""
     runtime = runtime_of(request)
-    context = await _status_context(request, oob_runs=False)
-    status_code = 200
+    error, hint, status_code = "", "", 200
     try:
         command = Command(action)
     except ValueError:
-        context["error"] = f"Unknown engine action {action!r}."
-        status_code = 404
+        error, status_code = f"Unknown engine action {action!r}.", 404
     else:
         try:
             await run_action(runtime, command, data.confirm == "yes", request.user.username,
                              client_address(request), "console")
         except ApplianceError as exc:
-            context["error"], context["error_hint"] = exc.message, exc.hint
-            status_code = 409
-    context["engine"] = runtime.supervisor.status
+            error, hint, status_code = exc.message, exc.hint, 409
+    # The card as the action left it: its state, and what that state offers now.
+    context = await _status_context(request, oob_runs=False)
+    context.update(error=error, error_hint=hint)
     return Template("partials/engine_status.html", context=context, status_code=status_code)
 
 
