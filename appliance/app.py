@@ -31,6 +31,7 @@ from appliance import __version__
 from appliance.api.engine import engine_router
 from appliance.api.health import health_router
 from appliance.api.keys import keys_router
+from appliance.api.qualify import qualify_router
 from appliance.api.routes import api_router
 from appliance.api.tuning import tuning_router
 from appliance.api.usage import usage_router
@@ -156,6 +157,7 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
             usage_router(),
             keys_router(),
             health_router(),
+            qualify_router(),
             create_static_files_router(path="/static", directories=[static_dir()],
                                        include_in_schema=False),
         ],
@@ -196,12 +198,14 @@ async def _start(runtime: Runtime) -> None:
     await runtime.supervisor.start_service()
     await runtime.weights.start_service()
     await restore_scheduled(runtime)
+    await runtime.qualify.start_service()  # a run the last daemon left: interrupted, gateway open
     # After the supervisor: the first engine poll must see the adopted engine's state.
     schedule_health(runtime)
 
 
 async def _stop(runtime: Runtime) -> None:
     # The engine keeps running: only the daemon's watching stops (it is adopted next start).
+    await runtime.qualify.stop_service()  # a run ends as interrupted and opens the gateway
     await runtime.weights.stop_service()
     await runtime.supervisor.stop_service()
     await runtime.publisher.stop()

@@ -261,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     from appliance.health import doctor_cli
 
     doctor_cli.add_parser(sub, common)
+    from appliance.qualify import cli as qualify_cli
+
+    qualify_cli.add_parser(sub, common)
     return parser
 
 
@@ -294,6 +297,12 @@ def cmd_doctor(args: argparse.Namespace, config: Config) -> int:
     return doctor_cli.run(args, config)
 
 
+def cmd_qualify(args: argparse.Namespace, config: Config) -> int:
+    from appliance.qualify import cli as qualify_cli
+
+    return qualify_cli.run(args, config)
+
+
 def cmd_gateway(args: argparse.Namespace, config: Config) -> int:
     from appliance.gateway.serve import run_gateway
 
@@ -304,7 +313,7 @@ HANDLERS: dict[str, Handler] = {
     "serve": cmd_serve, "gateway": cmd_gateway, "migrate": cmd_migrate, "admin": cmd_admin,
     "token": cmd_token,
     "engine": cmd_engine, "weights": cmd_weights, "tune": cmd_tune, "keys": cmd_keys,
-    "doctor": cmd_doctor,
+    "doctor": cmd_doctor, "qualify": cmd_qualify,
 }
 
 

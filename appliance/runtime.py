@@ -34,6 +34,7 @@ from appliance.health.alerts import Alerts
 from appliance.health.engine_probe import EngineProbe, EngineWatcher
 from appliance.health.host_checks import read_host
 from appliance.health.monitor import HealthMonitor
+from appliance.qualify.service import QualifyService
 from appliance.resources import migrations_dir
 from appliance.secrets import server_secret, write_engine_auth
 from appliance.tuning.service import TuningService
@@ -55,6 +56,7 @@ class Runtime:
     tuning: TuningService
     publisher: StatusPublisher
     health: HealthMonitor
+    qualify: QualifyService
     version: str = __version__
     started_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
     started_monotonic: float = 0.0
@@ -147,6 +149,7 @@ def build_runtime(
         tuning=tuning,
         publisher=publisher,
         health=health,
+        qualify=QualifyService(config, db, clock, supervisor),
         started_at=clock.now(),
         started_monotonic=clock.monotonic(),
     )

@@ -35,6 +35,13 @@ from appliance.ui.pages import (
     revoke_token_ui,
     settings_page,
 )
+from appliance.ui.qualify import (
+    qualify_cancel_ui,
+    qualify_page,
+    qualify_record_page,
+    qualify_run_ui,
+    qualify_status_partial,
+)
 from appliance.ui.tuning import (
     tuning_apply_ui,
     tuning_editor,
@@ -71,6 +78,8 @@ def ui_handlers() -> list[BaseRouteHandler]:
         tuning_profile_update_ui, tuning_profile_update_form, tuning_profile_delete_ui,
         tuning_profile_delete_form,
         usage_page,
+        qualify_page, qualify_status_partial, qualify_record_page, qualify_run_ui,
+        qualify_cancel_ui,
         health_ui, health_check_ui, health_mute_ui, health_unmute_ui,
         keys_page, keys_create_ui, keys_revoke_ui, keys_row_ui, keys_limits_form,
         keys_limits_ui,

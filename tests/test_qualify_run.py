@@ -1,0 +1,180 @@
+"""Qualification end to end: a live daemon supervising the real engine emulator (a
+subprocess), qualified through the real admin API and the real `appliance qualify` CLI code
+(its parser and its HTTP calls to the daemon), over a real database.
+
+Covers: the confirmation (nothing starts, the gateway stays open, the estimate is given), a
+short ladder that qualifies at its top, a floor the engine cannot hold (not qualified, exit
+1), the ledger and the chart, and a cancel mid-run that leaves the gateway admitting users.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from appliance.cli import build_parser
+from appliance.engine.publish import read_published
+from appliance.qualify import cli as qualify_cli
+from tests.conftest import Console, LiveServer, add_admin, csrf
+from tests.test_engine_api import engine_server, post_action, wait_state, wait_until
+
+API = "/api/v1/qualify"
+SHORT = ["--ladder", "1,2,4", "--repeats", "1", "--input-tokens", "64", "--output-tokens",
+         "30", "--wedge-seconds", "30"]
+
+
+@pytest.fixture
+def ready_box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[LiveServer,
+                                                                                Console]]:
+    """A daemon whose engine emulator is READY, and a logged-in console session."""
+    with engine_server(tmp_path, monkeypatch) as live:
+        add_admin(live.runtime)
+        console = Console(live.base_url)
+        assert console.login().status_code == 303
+        started = post_action(console, "start")
+        assert started.status_code == 202, started.text
+        wait_state(console.http, "ready")
+        try:
+            yield live, console
+        finally:
+            console.close()
+
+
+def cli(live: LiveServer, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    """`appliance qualify ARGV` through the real parser and the CLI's own daemon client."""
+    args = build_parser().parse_args(["qualify", *argv])
+    try:
+        code = qualify_cli.run(args, live.runtime.config)
+    except Exception as exc:  # an ApplianceError: main() prints it and exits with its code
+        code = getattr(exc, "exit_code", 99)
+        print(f"error: {exc}")
+    return code, capsys.readouterr().out
+
+
+def gateway_closed(live: LiveServer) -> bool:
+    published = live.runtime.db.call(read_published)
+    return published is not None and published.qualifying(dt.datetime.now(dt.UTC))
+
+
+def test_qualify_a_short_ladder_through_the_cli_and_the_api(
+        ready_box: tuple[LiveServer, Console], capsys: pytest.CaptureFixture[str]) -> None:
+    live, console = ready_box
+    http = console.http
+    status = http.get(f"{API}/").json()
+    spec = status["spec_hash"]
+    assert spec == live.runtime.supervisor.running_spec_hash and status["qualified"] is None
+    assert status["standing"] == (f"unqualified: the running engine (spec {spec[:12]}) has "
+                                  "never been qualified")
+
+    page = http.get("/qualify")
+    assert page.status_code == 200 and "Qualification</a>" in page.text
+    assert f"Unqualified: the running engine (spec {spec[:12]}) has never been qualified." \
+        in page.text and "Run a qualification…" in page.text
+    # The console's first press shows what it will do and how long; nothing starts.
+    asked = http.post("/qualify/run", data={"floor": "32", "repeats": "1", "ladder": "1,2,4",
+                                            "workload": "harsh"}, headers=csrf(console))
+    assert asked.status_code == 200, asked.text
+    assert "Refuse users and qualify now" in asked.text and "about 2 min" in asked.text
+
+    # Without a confirmation nothing starts: the estimate and what it does, the gateway open.
+    refused = http.post(f"{API}/run", json={"ladder": [1, 2, 4]}, headers=csrf(console))
+    assert refused.status_code == 409, refused.text
+    assert refused.json()["code"] == "confirmation_required"
+    assert "The gateway refuses users (503) for the whole run" in refused.json()["detail"]
+    code, out = cli(live, capsys, "run", *SHORT)
+    assert code != 0 and "would qualify the running engine" in out and "about 1 min" in out
+    assert http.get(f"{API}/").json()["history"] == [] and not gateway_closed(live)
+
+    # The emulator gives each user a token every 10 ms (about 100 tokens/s): a floor of 5
+    # holds at every step, so the top of this ladder is the qualified point.
+    code, out = cli(live, capsys, "run", *SHORT, "--floor", "5", "--yes", "--json")
+    assert code == 0, out
+    record = json.loads(out[out.index("{"):])
+    assert record["state"] == "done" and record["qualified"] == 4, record
+    assert record["spec_hash"] == spec and record["engine_version"]
+    assert [s["concurrency"] for s in record["steps"]] == [1, 2, 4]
+    for step in record["steps"]:
+        assert step["passed"] and step["failures"] == 0 and not step["wedged"]
+        (only,) = step["rounds"]
+        assert only["requests"] == step["concurrency"]
+        assert only["output_tokens"] == 30 * step["concurrency"]
+        assert only["decode_p10"] >= 5 and only["ttft_p90"] is not None
+        assert only["kv_peak"] is not None  # scraped from the emulator's /metrics
+    assert record["verdict"] == ("qualified at 4 concurrent users: every user at or above 5 "
+                                 "tokens/s")
+    assert not gateway_closed(live)
+
+    status = http.get(f"{API}/").json()
+    assert status["qualified"] == 4 and status["standing"] == record["verdict"]
+
+    # A floor no user can hold: not qualified, and the CLI says so with exit status 1.
+    code, out = cli(live, capsys, "run", *SHORT, "--floor", "5000", "--yes")
+    assert code == 1, out
+    assert "not qualified: already at 1 concurrent user" in out and "under the floor" in out
+    # The newest finished qualification is the spec's standing; the ledger keeps both.
+    code, out = cli(live, capsys, "list")
+    assert code == 0 and out.splitlines()[1].split()[2] == "done"
+    history = http.get(f"{API}/").json()["history"]
+    assert [h["qualified"] for h in history] == [None, 4]
+    assert http.get(f"{API}/").json()["standing"].startswith("not qualified: already at 1")
+    chart = http.get(f"{API}/{record['id']}/chart.svg")
+    assert chart.status_code == 200 and chart.headers["content-type"].startswith("image/svg")
+    assert "qualified: 4" in chart.text and "floor 5 tokens/s" in chart.text
+    code, out = cli(live, capsys, "show", str(record["id"]))
+    assert code == 0 and "pass  per-user p10" in out
+
+    page = http.get("/qualify").text
+    assert "Not qualified: already at 1 concurrent user" in page and "did not hold" in page
+    assert "Qualified at 4 concurrent users: every user at or above 5 tokens/s" in page  # ledger
+    one = http.get(f"/qualify/{record['id']}")
+    assert one.status_code == 200 and "<svg" in one.text and " UTC by alice" in one.text
+    assert "Qualified at 4 concurrent users: every user at or above 5 tokens/s." in one.text
+
+
+def test_cancel_mid_run_leaves_the_gateway_admitting(
+        ready_box: tuple[LiveServer, Console]) -> None:
+    live, console = ready_box
+    http = console.http
+    # Long answers (20 s at 10 ms a token): the run is still measuring when it is cancelled.
+    started = http.post(f"{API}/run", headers=csrf(console), json={
+        "ladder": [1, 2], "repeats": 1, "input_tokens": 32, "output_tokens": 2000,
+        "floor": 5, "confirm": True})
+    assert started.status_code == 202, started.text
+    qid = started.json()["id"]
+
+    def measuring() -> bool:
+        progress: dict[str, Any] | None = http.get(f"{API}/").json()["progress"]
+        return progress is not None and progress["phase"] == "measuring"
+
+    wait_until(measuring, "the qualification to measure its first step")
+    assert gateway_closed(live)  # users are refused while it runs
+    assert http.get(f"{API}/").json()["state"] == "running"
+    again = http.post(f"{API}/run", headers=csrf(console), json={"confirm": True})
+    assert again.status_code == 409 and again.json()["code"] == "qualify_running"
+
+    cancelled = http.post(f"{API}/cancel", headers=csrf(console))
+    assert cancelled.status_code == 200 and cancelled.json()["cancelled"] is True
+
+    def ended() -> bool:
+        return bool(http.get(f"{API}/{qid}").json()["state"] != "running")
+
+    wait_until(ended, "the cancelled qualification to end")
+    record = http.get(f"{API}/{qid}").json()
+    assert record["state"] == "cancelled" and record["qualified"] is None
+    assert not gateway_closed(live)
+    published = live.runtime.db.call(read_published)
+    assert published is not None and published.qualifying_until is None
+    assert http.get(f"{API}/").json()["standing"].startswith("unqualified")
+    # The engine is idle again (the cancelled streams were closed, not left running).
+    engine = httpx.get(f"http://127.0.0.1:{live.runtime.config.engine.port}/emulator/stats",
+                       timeout=5).json()
+    wait_until(lambda: httpx.get(
+        f"http://127.0.0.1:{live.runtime.config.engine.port}/emulator/stats",
+        timeout=5).json()["running"] == 0, "the engine to be idle")
+    assert engine["max_running_requests"] >= 2
