@@ -26,6 +26,7 @@ from appliance.config import Config
 from appliance.db.database import Database
 from appliance.engine.args import build_launch_spec, inputs_from_config
 from appliance.engine.states import Command, EngineState
+from appliance.engine.validate import validate_launch_spec
 from appliance.engine.views import spec_rows
 from appliance.health.engine_probe import EngineProbe
 from appliance.secrets import (
@@ -74,6 +75,22 @@ def test_the_launch_spec_names_the_file_never_the_key(tmp_path: Path) -> None:
     source = operator.source("--config")
     assert source is not None and source.value == str(engine_auth_path(config.paths.state_dir))
     assert "operator /tmp/mine.yaml" in source.note
+
+
+def test_an_operators_own_api_key_is_refused_before_a_launch(tmp_path: Path) -> None:
+    """An operator --api-key would win over the appliance's and lock the gateway and the
+    daemon out of the engine: validation refuses it, naming the layer."""
+    config = make_config(tmp_path / "box")
+    write_engine_auth(config.paths.state_dir)
+    inputs = dataclasses.replace(inputs_from_config(config),
+                                 operator_args=("--api-key", "mine"))
+    checked = validate_launch_spec(build_launch_spec(("sglang",), inputs), None)
+    assert not checked.ok
+    problem = next(p for p in checked.problems if p.flag == "--api-key")
+    assert "set by the appliance, not by the operator layer" in problem.message
+    assert "engine.extra_args" in problem.hint
+    assert validate_launch_spec(build_launch_spec(("sglang",), inputs_from_config(config)),
+                                None).ok
 
 
 @pytest.fixture(scope="module")

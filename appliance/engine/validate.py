@@ -322,10 +322,33 @@ def validate_launch_spec(
     if result is None:
         problems = tuple(check_argv(argv))
         result = ValidationResult(not problems, TABLE_METHOD, problems, note)
+    owned = tuple(reserved_problems(spec))
     return ValidationResult(
-        result.ok, result.method, tuple(_with_origin(p, spec) for p in result.problems),
-        result.note,
+        result.ok and not owned, result.method,
+        owned + tuple(_with_origin(p, spec) for p in result.problems), result.note,
     )
+
+
+# Flags the appliance sets itself and an operator layer must not: the engine's API key (an
+# operator's would lock the gateway and the daemon out of the engine) and the --config file
+# that carries it (exec-spec accepts only the daemon's own).
+RESERVED_FLAGS = {"--api-key": "the appliance gives the engine its own key (secrets/"
+                               "engine-api.key); the gateway's keys are for users",
+                  "--config": "the appliance passes the engine's key in its own --config "
+                              "file; put flags in engine.extra_args instead"}
+
+
+def reserved_problems(spec: LaunchSpec) -> list[ArgProblem]:
+    """Flags of `RESERVED_FLAGS` set by a layer other than the appliance's defaults."""
+    out = []
+    for arg in spec.args:
+        found = flags.match(arg.flag)
+        name = found[0].name if len(found) == 1 else arg.flag
+        if name in RESERVED_FLAGS and arg.origin is not Origin.DEFAULT:
+            out.append(ArgProblem(arg.flag, f"{arg.flag}: set by the appliance, not by the "
+                                            f"{arg.origin.value} layer",
+                                  f"{RESERVED_FLAGS[name]}; {_WHERE[arg.origin]}"))
+    return out
 
 
 def _with_origin(problem: ArgProblem, spec: LaunchSpec) -> ArgProblem:
