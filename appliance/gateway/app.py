@@ -122,12 +122,23 @@ class GatewayApp:
                                                  "the API is under /v1/"), False)
 
     async def health(self, send: Send) -> None:
-        published = self.parts.gate.published
-        body = msgspec.json.encode({
-            "status": "ok", "engine": published.state if published else "unknown",
-            "admitting": self.parts.gate.open, "limit": self.parts.admission.limit,
-            "admitted": self.parts.admission.in_use, "queued": self.parts.admission.waiting})
-        await _respond(send, 200, body)
+        """What a load balancer probes: 200 only while requests can be served (the engine is
+        READY and the gateway admits), else 503 with the reason and Retry-After that a
+        request would get. From memory only: no key, no database, no engine call."""
+        parts = self.parts
+        published = parts.gate.published
+        admission = parts.admission
+        body: dict[str, Any] = {
+            "engine": published.state if published else "unknown",
+            "admitting": parts.gate.open, "limit": admission.limit,
+            "admitted": admission.in_use, "queued": admission.waiting}
+        refusal = parts.gate.refusal()
+        if refusal is None:
+            await _respond(send, 200, msgspec.json.encode({"status": "ok", **body}))
+            return
+        body = {"status": "unavailable", **body, "reason": refusal.message,
+                "retry_after": refusal.retry_after}
+        await _respond(send, 503, msgspec.json.encode(body), headers=refusal.headers())
 
     async def models(self, scope: Message, send: Send) -> None:
         """The served model, answered here (no engine needed, so clients can list models
