@@ -8,8 +8,9 @@ partial for the console.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from litestar import Litestar, Request, Response, get
 from litestar.config.csrf import CSRFConfig
@@ -31,12 +32,12 @@ from appliance import __version__
 from appliance.api.engine import engine_router
 from appliance.api.health import health_router
 from appliance.api.keys import keys_router
-from appliance.api.qualify import qualify_router
 from appliance.api.routes import api_router
 from appliance.api.tuning import tuning_router
 from appliance.api.usage import usage_router
 from appliance.api.weights import weights_router
 from appliance.auth.middleware import CSRF_COOKIE, PUBLIC_PATHS, AdminAuthMiddleware
+from appliance.edge import ConsoleEdge, control_refusal, secure
 from appliance.engine.schedule import restore_scheduled
 from appliance.errors import ApplianceError
 from appliance.health.jobs import schedule_health
@@ -73,6 +74,22 @@ def _error_page(request: Request[Any, Any, Any], status: int, message: str,
                     status_code=status)
 
 
+E = TypeVar("E", bound=Exception)
+Handler = Callable[[Request[Any, Any, Any], E], Response[Any]]
+
+
+def _secured(handler: Handler[E]) -> Handler[E]:
+    """Litestar answers exceptions outside the app's middleware (and a 404 or 405 before any
+    runs): their answers get the console's security headers here (appliance.edge)."""
+
+    def answer(request: Request[Any, Any, Any], exc: E) -> Response[Any]:
+        response = handler(request, exc)
+        secure(response.headers)
+        return response
+
+    return answer
+
+
 def _on_appliance_error(request: Request[Any, Any, Any], exc: ApplianceError) -> Response[Any]:
     if _is_api(request):
         return _problem(exc.status, exc.code.replace("_", " "), exc.message, exc.code, exc.hint)
@@ -105,6 +122,9 @@ def _on_forbidden(
 
 
 def _on_http(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
+    if (why := control_refusal(request.url.path)) is not None:  # a 404 never met ConsoleEdge
+        return _on_bad_input(request, 400, why, "path_invalid",
+                             "request the page or API path without control characters")
     detail = exc.detail
     if isinstance(exc, ValidationException) and exc.extra:
         detail = f"{detail}: {exc.extra}"
@@ -117,8 +137,32 @@ def _on_http(request: Request[Any, Any, Any], exc: HTTPException) -> Response[An
     return response
 
 
+def _on_bad_input(request: Request[Any, Any, Any], status: int, detail: str, code: str,
+                  hint: str) -> Response[Any]:
+    if _is_api(request):
+        return _problem(status, code.replace("_", " "), detail, code, hint)
+    return _error_page(request, status, detail, hint)
+
+
+def _on_overflow(request: Request[Any, Any, Any], exc: OverflowError) -> Response[Any]:
+    # A number from the request past what the database or datetime holds (a page or an id of
+    # 1e20: SQLite's integers are 64-bit). Bounds at the boundary catch most; this the rest.
+    log.info("number out of range on %s %r: %s", request.method, request.url.path, exc)
+    return _on_bad_input(request, 400, "a number in the request is too large",
+                         "number_out_of_range", "use a smaller page, id or value")
+
+
+def _on_recursion(request: Request[Any, Any, Any], exc: RecursionError) -> Response[Any]:
+    # msgspec refuses a JSON body nested past its depth limit with a RecursionError.
+    if "deserializ" not in str(exc):
+        return _on_unexpected(request, exc)
+    return _on_bad_input(request, 400, "the JSON body is nested too deeply", "body_too_deep",
+                         "send the documented shape (it nests a few levels at most)")
+
+
 def _on_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
-    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    # %r: the path comes from the client, and a raw newline in it would forge a log line.
+    log.exception("unhandled error on %s %r", request.method, request.url.path)
     message = "an internal error occurred; details are in the daemon's log"
     if _is_api(request):
         return _problem(500, "internal error", message, "internal",
@@ -144,7 +188,10 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
         exclude=["/api/"],  # the API checks session callers itself; bearer callers need none
     )
     public = PUBLIC_PATHS + (("/metrics",) if config.health.metrics_public else ())
-    auth = DefineMiddleware(AdminAuthMiddleware, exclude=[f"^{p}" for p in public])
+    # OPTIONS too (Litestar exempts it by default): the guards after it read the user, and
+    # without one an OPTIONS on the API was a 500.
+    auth = DefineMiddleware(AdminAuthMiddleware, exclude=[f"^{p}" for p in public],
+                            exclude_http_methods=[])
     app = Litestar(
         route_handlers=[
             healthz,
@@ -157,11 +204,11 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
             usage_router(),
             keys_router(),
             health_router(),
-            qualify_router(),
             create_static_files_router(path="/static", directories=[static_dir()],
                                        include_in_schema=False),
         ],
-        middleware=[DefineMiddleware(HostGuard, allowed=config.server.allowed_hosts), auth],
+        middleware=[ConsoleEdge,
+                    DefineMiddleware(HostGuard, allowed=config.server.allowed_hosts), auth],
         csrf_config=csrf,
         template_config=TemplateConfig(
             directory=templates_dir(), engine=JinjaTemplateEngine,
@@ -174,11 +221,13 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
             render_plugins=[JsonRenderPlugin()],
         ),
         exception_handlers={
-            ApplianceError: _on_appliance_error,
-            NotAuthorizedException: _on_not_authorized,
-            PermissionDeniedException: _on_forbidden,
-            HTTPException: _on_http,
-            Exception: _on_unexpected,
+            ApplianceError: _secured(_on_appliance_error),
+            NotAuthorizedException: _secured(_on_not_authorized),
+            PermissionDeniedException: _secured(_on_forbidden),
+            HTTPException: _secured(_on_http),
+            OverflowError: _secured(_on_overflow),
+            RecursionError: _secured(_on_recursion),
+            Exception: _secured(_on_unexpected),
         },
         request_max_body_size=MAX_BODY_BYTES,
         logging_config=None,  # `main()` configures logging once, for the journal
@@ -198,14 +247,12 @@ async def _start(runtime: Runtime) -> None:
     await runtime.supervisor.start_service()
     await runtime.weights.start_service()
     await restore_scheduled(runtime)
-    await runtime.qualify.start_service()  # a run the last daemon left: interrupted, gateway open
     # After the supervisor: the first engine poll must see the adopted engine's state.
     schedule_health(runtime)
 
 
 async def _stop(runtime: Runtime) -> None:
     # The engine keeps running: only the daemon's watching stops (it is adopted next start).
-    await runtime.qualify.stop_service()  # a run ends as interrupted and opens the gateway
     await runtime.weights.stop_service()
     await runtime.supervisor.stop_service()
     await runtime.publisher.stop()

@@ -3,7 +3,10 @@
 Guards the admin console against DNS rebinding: a page on evil.example that resolves its
 name to 127.0.0.1 can reach the console, but its requests carry `Host: evil.example`.
 Compares the host name only (any port), so `localhost:8080` matches `localhost`. `*` in the
-list disables the check. Plain ASGI, placed outermost so nothing else runs first.
+list disables the check. More than one Host header is refused whatever the list says: this
+guard and the Origin check could each read a different one (the servers' protocol refuses it
+first, appliance.headbounds; this covers an app served without it). Plain ASGI, placed
+before the auth middleware.
 """
 
 from __future__ import annotations
@@ -35,25 +38,32 @@ class HostGuard:
         self.any = "*" in self.allowed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or self.any:
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        headers = dict(scope["headers"])
-        host = host_name(headers.get(b"host", b"").decode("latin-1"))
-        if host in self.allowed:
+        hosts = [value for name, value in scope["headers"] if name.lower() == b"host"]
+        if len(hosts) > 1:
+            await _refuse(send, "host_repeated", "the request has more than one Host header",
+                          "send exactly one Host header")
+            return
+        host = host_name(hosts[0].decode("latin-1") if hosts else "")
+        if self.any or host in self.allowed:
             await self.app(scope, receive, send)
             return
-        body = json.dumps({
-            "type": "urn:appliance:error:host_not_allowed", "title": "host not allowed",
-            "status": 400, "code": "host_not_allowed",
-            "detail": f"this console does not answer to the host name {host!r}",
-            "hint": "use an address listed in server.allowed_hosts, or add this name there",
-        }).encode()
-        start: HTTPResponseStartEvent = {
-            "type": "http.response.start", "status": 400, "headers": [
-                (b"content-type", b"application/problem+json"),
-                (b"content-length", str(len(body)).encode())]}
-        await send(start)
-        end: HTTPResponseBodyEvent = {
-            "type": "http.response.body", "body": body, "more_body": False}
-        await send(end)
+        await _refuse(send, "host_not_allowed",
+                      f"this console does not answer to the host name {host!r}",
+                      "use an address listed in server.allowed_hosts, or add this name there")
+
+
+async def _refuse(send: Send, code: str, detail: str, hint: str) -> None:
+    body = json.dumps({
+        "type": f"urn:appliance:error:{code}", "title": code.replace("_", " "), "status": 400,
+        "code": code, "detail": detail, "hint": hint,
+    }).encode()
+    start: HTTPResponseStartEvent = {
+        "type": "http.response.start", "status": 400, "headers": [
+            (b"content-type", b"application/problem+json"),
+            (b"content-length", str(len(body)).encode())]}
+    await send(start)
+    end: HTTPResponseBodyEvent = {"type": "http.response.body", "body": body, "more_body": False}
+    await send(end)

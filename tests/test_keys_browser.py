@@ -20,7 +20,7 @@ from appliance.db.journal import list_audit
 from appliance.gateway.keys import KEY_RE, KeyLimits, list_keys
 from appliance.runtime import Runtime
 from tests.browser_rig import Browser, Dialog, Page, admin_on, expect, shot
-from tests.conftest import LiveServer
+from tests.conftest import LiveServer, wait_for
 
 pytestmark = pytest.mark.browser
 
@@ -50,9 +50,12 @@ def test_create_a_key_see_it_once_edit_its_limits_and_revoke_it(
     expect(new_key).to_be_focused()  # selected, ready to copy
     # The browser's own autofocus can land a frame before htmx's settle step selects the
     # text, so wait for the selection rather than reading it once.
-    page.wait_for_function("(e => e.id === 'new-key' && e.selectionStart === 0"
-                           " && e.selectionEnd === e.value.length)(document.activeElement)",
-                           timeout=10_000)
+    # (Polled with evaluate: wait_for_function evaluates a string, which the page's CSP
+    # forbids.)
+    wait_for(lambda: page.evaluate(
+        "(e => e.id === 'new-key' && e.selectionStart === 0"
+        " && e.selectionEnd === e.value.length)(document.activeElement)"),
+        "the new key to be selected", timeout=10)
     key = new_key.input_value()
     match = KEY_RE.match(key)
     assert match

@@ -11,24 +11,34 @@ JSON body) answered 4xx with a message.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import uvicorn
+from litestar import Litestar
+from litestar import get as route
+from litestar.params import FromPath
+from litestar.plugins.jinja import JinjaTemplateEngine
+from litestar.template import TemplateConfig
+from litestar.testing import TestClient
 
+from appliance.app import _on_unexpected
 from appliance.config import Config
 from appliance.db.database import Database
 from appliance.gateway.parts import build_gateway
 from appliance.gateway.serve import uvicorn_config as gateway_config
 from appliance.headbounds import HeadLimits
+from appliance.resources import templates_dir
 from appliance.runtime import Runtime
 from appliance.server import uvicorn_config as console_config
-from tests.conftest import free_port
+from tests.conftest import Console, LiveServer, csrf, free_port, problem
 
 HEAD = HeadLimits(timeout_s=1.0)  # the real size bounds; a timeout a test can wait out
 MIB = 1 << 20
@@ -190,3 +200,149 @@ def test_an_oversized_head_does_not_grow_the_server(edge: tuple[Running, str]) -
     answer = exchange(server.port, [start, *(block for _ in range(64 * MIB // 65536))])
     assert refused(answer, b"431")
     assert _peak_rss() - before < 16 * MIB  # the head is cut at 64 KiB; the rest is noise
+
+
+# --- the console's answers --------------------------------------------------------------------
+
+SECURITY = {"x-frame-options": "DENY", "referrer-policy": "same-origin",
+            "x-content-type-options": "nosniff"}
+
+
+def assert_secured(response: httpx.Response) -> None:
+    for name, value in SECURITY.items():
+        assert response.headers.get(name) == value, (response.url, name, response.headers)
+    policy = response.headers.get("content-security-policy", "")
+    assert "frame-ancestors 'none'" in policy, (response.url, policy)
+    assert "script-src 'self'" in policy and "unsafe" not in policy, policy
+
+
+def test_every_kind_of_console_answer_forbids_framing(server: LiveServer,
+                                                      logged_in: Console) -> None:
+    anonymous = httpx.Client(base_url=server.base_url, timeout=10)
+    answers = [
+        anonymous.get("/login"),                       # a public page
+        logged_in.http.get("/"),                       # a console page
+        logged_in.http.get("/keys"),
+        logged_in.http.get("/api/v1/me"),              # an API answer
+        anonymous.get("/api/v1/me"),                   # the auth's 401, raised in middleware
+        anonymous.get("/keys"),                        # its redirect to the login page
+        anonymous.get("/static/app.css"),              # a static file
+        anonymous.get("/static/htmx-2.0.11.min.js"),
+        anonymous.get("/no/such/page"),                # a 404 no middleware saw
+        anonymous.get("/healthz"),
+    ]
+    anonymous.close()
+    assert [a.status_code for a in answers] == [200, 200, 200, 200, 401, 303, 200, 200, 404, 200]
+    for answer in answers:
+        assert_secured(answer)
+
+
+def test_console_pages_run_under_their_policy(server: LiveServer, runtime: Runtime,
+                                              browser: Any) -> None:
+    """Every page of the nav in chromium with the CSP in force: no violation, no JS error
+    (htmx's indicator style and eval are off; hx-on moved to /static/console.js)."""
+    from tests.browser_rig import admin_on
+
+    with admin_on(browser, server, runtime, "Dashboard", "/") as tab:
+        violations: list[str] = []
+        tab.on("console", lambda msg: violations.append(msg.text)
+               if "Content Security Policy" in msg.text else None)
+        for path in ("/", "/weights", "/engine", "/tuning", "/health", "/keys", "/usage",
+                     "/audit", "/events", "/settings"):
+            answer = tab.goto(path)
+            assert answer is not None and answer.status == 200, path
+            assert "frame-ancestors 'none'" in answer.headers["content-security-policy"]
+            tab.wait_for_load_state("networkidle")
+        tab.goto("/keys")
+        form = tab.locator("form[hx-post='/keys']")
+        form.get_by_label("Name").fill("csp check")
+        form.get_by_role("button", name="Create key").click()
+        tab.get_by_label("New key").wait_for()
+        assert violations == []
+
+
+def test_control_characters_in_a_path_are_refused_before_any_log(
+        server: LiveServer, logged_in: Console, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    for path in ("/static/%00%0aforged line", "/api/v1/keys/%0d%0aforged line",
+                 "/no/such/%0aforged line", "/audit%1b[31m"):
+        response = logged_in.http.get(path)
+        assert response.status_code == 400, (path, response.text[:300])
+        assert "control character" in response.text
+        assert_secured(response)
+    for record in caplog.records:
+        assert "\nforged" not in record.getMessage(), record.getMessage()
+
+
+def test_an_unhandled_error_logs_the_path_escaped(caplog: pytest.LogCaptureFixture) -> None:
+    """The 500 handler's log line, for a path that reached it with a newline (an app without
+    ConsoleEdge, which would have refused it): the newline is written escaped."""
+    @route("/boom/{rest:path}")
+    async def boom(rest: FromPath[str]) -> None:
+        raise RuntimeError("boom")
+
+    app = Litestar([boom], exception_handlers={Exception: _on_unexpected}, logging_config=None,
+                   template_config=TemplateConfig(directory=templates_dir(),
+                                                  engine=JinjaTemplateEngine))
+    caplog.set_level(logging.ERROR)
+    with TestClient(app) as client:
+        assert client.get("/boom/a%0aforged").status_code == 500
+    [line] = [r.getMessage() for r in caplog.records if "unhandled error" in r.getMessage()]
+    assert "\n" not in line and "'/boom/a\\nforged'" in line, line
+
+
+# --- inputs that were 500s --------------------------------------------------------------------
+
+HUGE = "99999999999999999999999"
+
+
+def test_options_on_the_api_is_no_500(server: LiveServer, logged_in: Console) -> None:
+    for path in ("/api/v1/status", "/api/v1/keys", "/api/v1/tuning/"):
+        problem(httpx.options(server.base_url + path), 401, "unauthorized")
+        answer = logged_in.http.options(path)
+        assert answer.status_code == 204, (path, answer.text)
+        assert "GET" in answer.headers["allow"]
+
+
+@pytest.mark.parametrize("path", ["/api/v1/audit", "/api/v1/events"])
+def test_a_huge_page_number_on_the_api_is_a_400(logged_in: Console, path: str) -> None:
+    body = problem(logged_in.http.get(path, params={"page": HUGE}), 400)
+    assert "page" in body["detail"] and "1000000" in body["detail"]
+
+
+@pytest.mark.parametrize("path", ["/audit", "/events"])
+def test_a_huge_page_number_on_a_console_page_is_a_400(logged_in: Console, path: str) -> None:
+    answer = logged_in.http.get(path, params={"page": HUGE})
+    assert answer.status_code == 400, answer.text[:300]
+    assert "a number in the request is too large" in answer.text
+
+
+def test_an_id_past_64_bits_is_a_400(logged_in: Console) -> None:
+    body = problem(logged_in.http.delete("/api/v1/engine/scheduled/100000000000000000000",
+                                         headers=csrf(logged_in)), 400, "number_out_of_range")
+    assert body["detail"] == "a number in the request is too large"
+    answer = logged_in.http.post("/engine/scheduled/100000000000000000000/cancel",
+                                 headers=csrf(logged_in))
+    assert answer.status_code == 400, answer.text[:300]
+    problem(logged_in.http.get("/api/v1/keys/100000000000000000000"), 404, "key_unknown")
+
+
+def test_a_huge_tuning_ratio_is_refused_with_the_bound(config: Config,
+                                                      logged_in: Console) -> None:
+    from tests.test_tuning_api import write_k3
+
+    write_k3(config)
+    for ratio in (1e308, 1e20, 1001):
+        body = problem(logged_in.http.post(
+            "/api/v1/tuning/apply", headers=csrf(logged_in),
+            json={"profile": "balanced", "ratio": ratio, "restart": False}), 422,
+            "tuning_impossible")
+        assert "is above 1000" in body["detail"], body
+
+
+@pytest.mark.parametrize("path", ["/api/v1/tokens", "/api/v1/keys", "/api/v1/tuning/apply"])
+def test_a_deeply_nested_json_body_is_a_400(logged_in: Console, path: str) -> None:
+    deep = b"[" * 10_000 + b"]" * 10_000
+    body = problem(logged_in.http.post(path, content=deep, headers={
+        **csrf(logged_in), "content-type": "application/json"}), 400, "body_too_deep")
+    assert body["detail"] == "the JSON body is nested too deeply"

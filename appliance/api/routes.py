@@ -22,7 +22,8 @@ from appliance.runtime import runtime_of
 from appliance.status import DaemonStatus, daemon_status
 
 AdminRequest = Request[Admin, AuthInfo, Any]
-PageQuery = Annotated[int, QueryParameter(ge=1)]
+# Bounded: a page past 64-bit offsets (1e22) was an OverflowError in SQLite, a 500.
+PageQuery = Annotated[int, QueryParameter(ge=1, le=1_000_000)]
 PerPageQuery = Annotated[int, QueryParameter(ge=1, le=500)]
 
 

@@ -44,6 +44,9 @@ KV_DTYPES = {"fp8_e4m3": 1, "fp8_e5m2": 1, "mxfp8": 1, "bf16": 2, "bfloat16": 2,
 SPECULATIVE = ("none", "dspark")
 MAMBA_STRATEGIES = ("no_buffer", "extra_buffer", "extra_buffer_lazy")
 _BASE_SLOTS = 3                        # MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO (l.227)
+# Far past any useful split (the KV pool gets 1/1001 of the memory; the chart stops at 50), and
+# low enough that the pool arithmetic stays finite: 1e308 overflowed it to NaN (a 500).
+MAX_RATIO = 1000.0
 
 
 class CalculatorError(ApplianceError):
@@ -241,6 +244,11 @@ def size_pools(geometry: Geometry, launch: Launch, budget_bytes: int, ratio: flo
     if not (math.isfinite(ratio) and ratio > 0):
         raise CalculatorError(f"--mamba-full-memory-ratio {ratio} is not a positive number",
                               "give the state:KV memory ratio, e.g. 0.9 (SGLang's default)",
+                              exit_code=EX_USAGE)
+    if ratio > MAX_RATIO:
+        raise CalculatorError(f"--mamba-full-memory-ratio {ratio:g} is above {MAX_RATIO:g}",
+                              "give the state:KV memory ratio, e.g. 0.9 (SGLang's default); "
+                              "the tuning chart shows the ratios that work",
                               exit_code=EX_USAGE)
     conv, ssm, ring = state_bytes_per_slot(geometry, launch)
     per_req = conv + ssm
