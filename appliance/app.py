@@ -185,7 +185,9 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
         cookie_httponly=True,
         cookie_samesite="strict",
         header_name="X-CSRF-Token",
-        exclude=["/api/"],  # the API checks session callers itself; bearer callers need none
+        # The API checks session callers itself; bearer callers need none. Anchored: entries
+        # are regexes searched anywhere in the path, and /tuning/profiles/api/delete is a form.
+        exclude=["^/api/"],
     )
     public = PUBLIC_PATHS + (("/metrics",) if config.health.metrics_public else ())
     # OPTIONS too (Litestar exempts it by default): the guards after it read the user, and

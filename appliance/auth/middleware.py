@@ -1,14 +1,14 @@
 """Who is calling: an admin session cookie (the console) or a bearer API token (scripts).
 
 Runs on every request except the public paths. Session-authenticated unsafe requests to the
-JSON API must also carry the CSRF token in `X-CSRF-Token` (the console's forms are covered by
-Litestar's CSRF middleware; bearer tokens are not ambient credentials and need none). Any
-unsafe request whose Origin names another site is refused outright.
+JSON API must also carry the CSRF token in `X-CSRF-Token`: one this server signed, equal to the
+CSRF cookie's (auth/csrf.py; the console's forms are covered by Litestar's CSRF middleware;
+bearer tokens are not ambient credentials and need none). Any unsafe request whose Origin names
+another site is refused outright.
 """
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -16,12 +16,13 @@ from litestar.connection import ASGIConnection
 from litestar.exceptions import NotAuthorizedException, PermissionDeniedException
 from litestar.middleware import AbstractAuthenticationMiddleware, AuthenticationResult
 
+from appliance.auth.csrf import CSRF_COOKIE, CSRF_HEADER, tokens_match
 from appliance.auth.sessions import COOKIE_NAME, resolve_session
 from appliance.auth.tokens import resolve_token
 from appliance.runtime import runtime_of
 
-CSRF_COOKIE = "appliance_csrf"
-CSRF_HEADER = "x-csrf-token"
+__all__ = ["CSRF_COOKIE", "CSRF_HEADER", "PUBLIC_PATHS", "AdminAuthMiddleware", "AuthInfo",
+           "client_address"]
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 PUBLIC_PATHS = ("/login", "/static", "/healthz", "/api/v1/schema", "/favicon.ico")
 
@@ -74,7 +75,7 @@ class AdminAuthMiddleware(AbstractAuthenticationMiddleware):
         if method not in SAFE_METHODS and connection.url.path.startswith("/api/"):
             header = connection.headers.get(CSRF_HEADER, "")
             expected = connection.cookies.get(CSRF_COOKIE, "")
-            if not header or not expected or not hmac.compare_digest(header, expected):
+            if not tokens_match(header, expected, runtime.secret):
                 raise PermissionDeniedException("CSRF token missing or wrong (X-CSRF-Token)")
         auth = AuthInfo("session", session_token=cookie)
         return AuthenticationResult(user=live.admin, auth=auth)
