@@ -7,13 +7,17 @@ defaults: one instance each, coalesced, generous misfire grace (see `new_schedul
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 from typing import Any
 
 from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_MISSED, JobExecutionEvent
+from sqlalchemy import delete
+from sqlalchemy.orm import Session
 
 from appliance.auth.sessions import purge_expired
 from appliance.db.journal import add_event
+from appliance.db.models import AuditEntry
 from appliance.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -22,6 +26,23 @@ log = logging.getLogger(__name__)
 async def purge_sessions(runtime: Runtime) -> int:
     now = runtime.clock.now()
     return await runtime.db.run(lambda s: purge_expired(s, now))
+
+
+def purge_failed_logins(session: Session, before: dt.datetime) -> int:
+    """Delete failed and refused login entries older than `before`; other audit entries stay.
+
+    Anyone who can reach /login can add these, so unlike the rest of the audit log they are
+    history with a retention (`auth.failed_login_retention_days`), not a record kept for good.
+    """
+    result = session.execute(delete(AuditEntry).where(
+        AuditEntry.action == "auth.login", AuditEntry.outcome != "ok", AuditEntry.at < before))
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
+async def purge_login_failures(runtime: Runtime) -> int:
+    before = runtime.clock.now() - dt.timedelta(
+        days=runtime.config.auth.failed_login_retention_days)
+    return await runtime.db.run(lambda s: purge_failed_logins(s, before))
 
 
 def _on_job_problem(runtime: Runtime, event: JobExecutionEvent) -> None:
@@ -47,6 +68,8 @@ def schedule_housekeeping(runtime: Runtime) -> None:
     scheduler = runtime.scheduler
     scheduler.add_job(purge_sessions, "interval", minutes=5, args=[runtime],
                       id="purge_sessions", replace_existing=True)
+    scheduler.add_job(purge_login_failures, "interval", hours=1, args=[runtime],
+                      id="purge_login_failures", replace_existing=True)
 
     def listener(event: Any) -> None:
         _on_job_problem(runtime, event)

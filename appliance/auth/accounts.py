@@ -21,7 +21,10 @@ from appliance.db.models import AdminSession, AdminUser
 from appliance.errors import ApplianceError
 
 MIN_PASSWORD_LENGTH = 12
-USERNAME_RE = re.compile(r"^[a-z][a-z0-9_.-]{1,63}$")
+MAX_PASSWORD_LENGTH = 1024  # argon2 takes any length; the login form's body limit does not
+USERNAME_MAX = 64
+# Used with fullmatch(): `^...$` with match() would pass "alice\n" ($ matches before a final \n).
+USERNAME_RE = re.compile(r"[a-z][a-z0-9_.-]{1,63}")
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ def _record(user: AdminUser) -> Admin:
 
 
 def check_username(username: str) -> str:
-    if not USERNAME_RE.match(username):
+    if not USERNAME_RE.fullmatch(username):
         raise ApplianceError(
             "username_invalid",
             f"username {username!r} is not allowed",
@@ -67,6 +70,14 @@ def check_password(password: str) -> str:
             f"the password has {len(password)} characters; at least {MIN_PASSWORD_LENGTH} "
             "are required",
             "choose a longer password (a passphrase of several words works well)",
+            status=422,
+        )
+    if len(password) > MAX_PASSWORD_LENGTH:
+        raise ApplianceError(
+            "password_too_long",
+            f"the password has {len(password)} characters; at most {MAX_PASSWORD_LENGTH} "
+            "are accepted",
+            "choose a shorter passphrase (the login form refuses longer ones)",
             status=422,
         )
     return password

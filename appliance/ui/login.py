@@ -1,9 +1,14 @@
 """Login, logout and password change for the console.
 
 Login is throttled per username+address (429 with Retry-After after too many failures), every
-outcome is audited, and a successful login replaces any session cookie the browser had. The
-bootstrap admin (and anyone whose password was reset) is sent to change it before anything
-else.
+outcome is audited, and a successful login replaces any session cookie the browser had and
+the CSRF cookie too. The bootstrap admin (and anyone whose password was reset) is sent to
+change it before anything else.
+
+Nobody is logged in yet when /login is posted, so what it accepts is bounded before anything
+is parsed: a body over `LOGIN_MAX_BODY` is refused with 413 (Litestar checks Content-Length
+first and counts streamed bytes, also for the CSRF middleware's form read, and its form
+parser caches parsed bodies), and usernames and passwords have fixed maximum lengths.
 """
 
 from __future__ import annotations
@@ -13,18 +18,34 @@ from typing import Any
 
 from litestar import Request, Response, get, post
 from litestar.datastructures import Cookie
+from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.params import FromQuery, URLEncodedBody
 from litestar.response import Redirect, Template
+from litestar.utils.scope.state import ScopeState
 
 from appliance.auditing import audit
-from appliance.auth.accounts import Admin, authenticate, check_password, set_password
+from appliance.auth.accounts import (
+    MAX_PASSWORD_LENGTH,
+    USERNAME_MAX,
+    Admin,
+    authenticate,
+    check_password,
+    set_password,
+)
 from appliance.auth.bootstrap import retire_bootstrap_file
+from appliance.auth.csrf import fresh_csrf_cookie, mint_token
 from appliance.auth.middleware import AuthInfo, client_address
 from appliance.auth.sessions import COOKIE_NAME, close_session, open_session
 from appliance.errors import ApplianceError
 from appliance.runtime import Runtime, runtime_of
 
 AdminRequest = Request[Admin, AuthInfo, Any]
+
+# The form is a CSRF token (128), a `next` path, a username (64) and a password (1024
+# characters, up to 3 bytes each once URL-encoded): 8 KiB holds any real one.
+LOGIN_MAX_BODY = 8 * 1024
+TOO_LONG = (f"Usernames have at most {USERNAME_MAX} characters and passwords at most "
+            f"{MAX_PASSWORD_LENGTH}.")
 
 
 @dataclass
@@ -39,7 +60,6 @@ class PasswordForm:
     current_password: str = ""
     new_password: str = ""
     confirm_password: str = ""
-
 
 
 def _safe_next(target: str) -> str:
@@ -62,14 +82,40 @@ async def login_page(next: FromQuery[str] = "/") -> Template:
     return Template("pages/login.html", context={"next": _safe_next(next), "error": ""})
 
 
-@post("/login", include_in_schema=False)
+def csrf_cookie(runtime: Runtime, token: str = "") -> Cookie:
+    """A new CSRF cookie (a freshly minted token unless one is given)."""
+    return fresh_csrf_cookie(token or mint_token(runtime.secret), secure=runtime.config.tls)
+
+
+def _login_too_large(request: Request[Any, Any, Any], _: RequestEntityTooLarge) -> Response[Any]:
+    """413 as the login page, with a working form: the CSRF middleware refused before it set
+    the page's token, so a fresh cookie and token go with it."""
+    runtime = runtime_of(request)
+    token = mint_token(runtime.secret)
+    ScopeState.from_scope(request.scope).csrf_token = token
+    message = (f"The login form was larger than {LOGIN_MAX_BODY // 1024} KiB and was not "
+               f"read. {TOO_LONG}")
+    return Template("pages/login.html", status_code=413, cookies=[csrf_cookie(runtime, token)],
+                    context={"next": "/", "error": message})
+
+
+@post("/login", include_in_schema=False, request_max_body_size=LOGIN_MAX_BODY,
+      exception_handlers={RequestEntityTooLarge: _login_too_large})
 async def login(
     request: Request[Any, Any, Any], data: URLEncodedBody[LoginForm]
 ) -> Response[Any]:
     runtime = runtime_of(request)
     address = client_address(request)
-    username = data.username.strip().lower()
     target = _safe_next(data.next)
+    if len(data.username) > USERNAME_MAX or len(data.password) > MAX_PASSWORD_LENGTH:
+        # No account can have such a name or password: refused before the throttle table,
+        # the password hash or the audit row sees more than a bounded prefix of it.
+        await audit(runtime, actor="anonymous", address=address, action="auth.login",
+                    outcome="failed", target=data.username[:USERNAME_MAX],
+                    detail={"reason": "username or password too long"})
+        return Template("pages/login.html", status_code=422,
+                        context={"next": target, "error": TOO_LONG})
+    username = data.username.strip().lower()
     wait = runtime.throttle.retry_after(username, address)
     if wait:
         await audit(runtime, actor=username or "anonymous", address=address,
@@ -96,7 +142,8 @@ async def login(
     await audit(runtime, actor=admin.username, address=address, action="auth.login",
                 target=admin.username)
     destination = "/account/password" if admin.must_change_password else target
-    return Redirect(destination, status_code=303, cookies=[session_cookie(runtime, token)])
+    return Redirect(destination, status_code=303,
+                    cookies=[session_cookie(runtime, token), csrf_cookie(runtime)])
 
 
 @post("/logout", include_in_schema=False)
@@ -153,4 +200,5 @@ async def change_password(
     retired = retire_bootstrap_file(runtime.state_dir)
     await audit(runtime, actor=admin.username, address=address, action="auth.password_change",
                 target=admin.username, detail={"bootstrap_file_removed": retired})
-    return Redirect("/", status_code=303, cookies=[session_cookie(runtime, token)])
+    return Redirect("/", status_code=303,
+                    cookies=[session_cookie(runtime, token), csrf_cookie(runtime)])
