@@ -76,7 +76,7 @@ def console_edge(runtime: Runtime) -> Iterator[Running]:
 
 @pytest.fixture
 def gateway_edge(config: Config, db: Database) -> Iterator[Running]:
-    # No engine behind it: /health answers from the gateway alone.
+    # No engine behind it: /metrics answers from the gateway alone.
     parts = build_gateway(config, db=db, engine_url=f"http://127.0.0.1:{free_port()}",
                           poll_interval=0.1)
     with Running(gateway_config(parts, head=HEAD)) as running:
@@ -88,7 +88,7 @@ def edge(request: pytest.FixtureRequest) -> tuple[Running, str]:
     """Each server with a path it answers 200 without credentials."""
     if request.param == "console":
         return request.getfixturevalue("console_edge"), "/healthz"
-    return request.getfixturevalue("gateway_edge"), "/health"
+    return request.getfixturevalue("gateway_edge"), "/metrics"  # /health is 503 sans engine
 
 
 def exchange(port: int, chunks: Iterable[bytes]) -> bytes:
