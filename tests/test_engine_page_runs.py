@@ -36,6 +36,7 @@ from appliance.engine.records import RunRecord, open_run
 from appliance.engine.runner import EngineIdentity
 from appliance.engine.states import EngineState
 from appliance.engine.supervisor import EngineStatus
+from appliance.engine.views import status_dict
 from appliance.resources import templates_dir
 from appliance.runtime import Runtime, build_runtime
 from appliance.testing.fake_gpus import FakeGpus
@@ -233,6 +234,9 @@ def test_after_a_daemon_restart_the_page_shows_only_the_latest_runs_figures(
     page: Console, runtime: Runtime
 ) -> None:
     assert runtime.supervisor.status.adopted
+    log = status_dict(runtime.supervisor.status)["log"]  # the API's figures say the same
+    assert log["engine_run_id"] == 1 and (log["run"]["number"], log["run"]["of"]) == (2, 2)
+    assert {rank["state_slots"] for rank in log["ranks"]} == {332} and log["warnings"] == []
     html = page.http.get("/engine").text
     memory = html[html.index('id="engine-log-figures"'):html.index('id="engine-runs"')]
     assert "GB for 332 slots" in memory

@@ -32,8 +32,16 @@ def status_dict(status: EngineStatus) -> dict[str, Any]:
         "pending": status.pending,
         "rollback_available": status.rollback_available,
         "expected_start_seconds": status.expected_start_seconds,
-        "log": render_json(status.log) if status.log is not None else None,
+        "log": _log_dict(status),
     }
+
+
+def _log_dict(status: EngineStatus) -> dict[str, Any] | None:
+    """The log's figures, with the engine run (the daemon's run id) they were read from: a
+    reader never has to guess whether they belong to the run the status describes."""
+    if status.log is None:
+        return None
+    return {**render_json(status.log), "engine_run_id": status.run_id}
 
 
 def run_dict(run: RunRecord) -> dict[str, Any]:
