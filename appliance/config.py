@@ -366,6 +366,29 @@ class GatewayConfig:
     tls_key: Path | None = _key(None, _absolute, "PEM private key for tls_cert")
 
 
+BACKUP_SCHEDULE_RE = re.compile(r"daily (?P<hour>[01]\d|2[0-3]):(?P<minute>[0-5]\d)")
+
+
+def _backup_schedule(value: str) -> str | None:
+    ok = value == "off" or BACKUP_SCHEDULE_RE.fullmatch(value)
+    return None if ok else '"off" or "daily HH:MM" (24-hour, the box\'s local time)'
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupConfig:
+    """Scheduled backups (`appliance backup` by hand takes the same kind): where, when, how
+    many are kept, and the passphrase that lets them include the secrets."""
+
+    dir: Path | None = _key(None, _absolute, "where scheduled backups go; unset: "
+                            "<state_dir>/backups")
+    schedule: str = _key("daily 03:00", _backup_schedule,
+                         '"daily HH:MM" (box time) or "off"')
+    keep: int = _key(7, _positive, "scheduled backups kept; older ones are deleted")
+    passphrase_file: Path | None = _key(
+        None, _absolute, "root-written file holding the passphrase that encrypts the secrets "
+        "in scheduled backups; unset: scheduled backups leave the secrets out")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """The whole configuration; `source` says where it came from, for messages."""
@@ -380,6 +403,7 @@ class Config:
     weights: WeightsConfig = dataclasses.field(default_factory=WeightsConfig)
     gateway: GatewayConfig = dataclasses.field(default_factory=GatewayConfig)
     health: HealthConfig = dataclasses.field(default_factory=HealthConfig)
+    backup: BackupConfig = dataclasses.field(default_factory=BackupConfig)
     source: str = "built-in defaults"
     dev: bool = False
 
@@ -408,6 +432,7 @@ SECTIONS: dict[str, type[Any]] = {
     "weights": WeightsConfig,
     "gateway": GatewayConfig,
     "health": HealthConfig,
+    "backup": BackupConfig,
 }
 
 
