@@ -123,7 +123,8 @@ def test_pull_watch_progress_to_ready_then_verify_full(
     expect(rows.first).to_have_attribute("data-state", re.compile("downloading|verifying"))
     expect(rows.first.locator(".badge")).to_have_text(re.compile("downloading|verifying"))
     expect(status.get_by_role("button", name="Cancel")).to_be_visible()
-    figures = re.compile(r"\d+% · [\d.]+ (B|[KMG]iB) of [\d.]+ MiB · (< )?[\d.]+ [MG]B/s · "
+    # Decimal units throughout, as the Hub shows file sizes.
+    figures = re.compile(r"\d+% · [\d.]+ (B|kB|MB|GB) of [\d.]+ MB · (< )?[\d.]+ [MG]B/s · "
                          r"about [\dms ]+ left")
     expect(status.locator(".figures")).to_contain_text(figures, timeout=LONG)
     # A shard's own bar moves while it downloads, with its rate beside it.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -344,3 +345,33 @@ def test_auto_refetch_when_enabled_is_audited_and_uses_the_endpoint_in_force(
     assert entries == [("weights (weights.auto_refetch)",
                         {"via": "automatic", "commit": entries[0][1]["commit"],
                          "endpoint": mirror.url})]
+
+
+def test_the_page_names_the_damage_and_offers_the_refetch_as_its_own_step() -> None:
+    import datetime as dt
+
+    from appliance.weights.views import Mismatch, VerifyOutcome
+    from tests.test_weights_ui import REPO_ID, _file, _render, _view
+
+    at = dt.datetime(2026, 5, 1, 12, tzinfo=dt.UTC)
+    moved = f"/m/.quarantine/{SHARD}"
+    outcome = VerifyOutcome(at=at, files=2, hashed=2, unchanged=0, unchanged_since=None,
+                            mismatches=(Mismatch(SHARD, "sha256", "a" * 64,
+                                                 "sha256 " + "b" * 64, moved),))
+    view = _view((_file("config.json", "verified", 100), _file(SHARD, "failed")),
+                 repo_id=REPO_ID, activity="failed", message=outcome.summary,
+                 verification=outcome, refetchable=True)
+    said = readiness(view, REPO_ID)
+    assert not said.ok
+    assert said.text == ("Not ready for the engine: the full verification of 2026-05-01 "
+                         "12:00:00 UTC found 1 damaged file.")
+    assert said.problems == (f"{SHARD}: expected sha256 {'a' * 64}, found sha256 {'b' * 64}; "
+                             f"moved to {moved}",)
+    html = _render("partials/weights_status.html", view, csrf_input="")
+    assert 'action="/weights/refetch"' in html and "Fetch the damaged files again" in html
+    assert f"moved to {moved}" in html
+    # No button while a job runs, nor when nothing is damaged.
+    busy = _render("partials/weights_status.html",
+                   dataclasses.replace(view, activity="downloading", job="pull"),
+                   csrf_input="")
+    assert "/weights/refetch" not in busy

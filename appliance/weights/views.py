@@ -116,7 +116,7 @@ class VerifyOutcome:
             return f"{unchanged}; no bytes were read (--rehash reads every file)"
         rate = f" at {self.rate_text}" if self.rate_text else ""
         if self.unchanged == 0:
-            return f"all {self.files} files match the manifest (every byte read{rate})"
+            return f"all {self.files} files match the manifest ({self.hashed} hashed{rate})"
         return (f"{self.hashed} file{'s' * (self.hashed != 1)} hashed{rate} and match the "
                 f"manifest; {unchanged}")
 
