@@ -264,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     from appliance.qualify import cli as qualify_cli
 
     qualify_cli.add_parser(sub, common)
+    from appliance.ops import cli as ops_cli
+
+    ops_cli.add_parser(sub, common)
     return parser
 
 
@@ -303,6 +306,12 @@ def cmd_qualify(args: argparse.Namespace, config: Config) -> int:
     return qualify_cli.run(args, config)
 
 
+def cmd_support_bundle(args: argparse.Namespace, config: Config) -> int:
+    from appliance.ops import cli as ops_cli
+
+    return ops_cli.run(args, config)
+
+
 def cmd_gateway(args: argparse.Namespace, config: Config) -> int:
     from appliance.gateway.serve import run_gateway
 
@@ -314,6 +323,7 @@ HANDLERS: dict[str, Handler] = {
     "token": cmd_token,
     "engine": cmd_engine, "weights": cmd_weights, "tune": cmd_tune, "keys": cmd_keys,
     "doctor": cmd_doctor, "qualify": cmd_qualify,
+    "support-bundle": cmd_support_bundle,
 }
 
 
