@@ -375,3 +375,7 @@ def test_the_page_names_the_damage_and_offers_the_refetch_as_its_own_step() -> N
                    dataclasses.replace(view, activity="downloading", job="pull"),
                    csrf_input="")
     assert "/weights/refetch" not in busy
+    # Once a refetch has proven the set again, the old verdict no longer holds the page back.
+    repaired = dataclasses.replace(view, activity="idle", full_verified_at=at,
+                                   refetchable=False)
+    assert readiness(repaired, REPO_ID).ok

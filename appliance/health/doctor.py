@@ -200,7 +200,8 @@ def weights_check(db: Database, config: Config) -> CheckResult:
                           for f in damaged[:3])
         more = f" (and {len(damaged) - 3} more)" if len(damaged) > 3 else ""
         return _result("appliance.weights", "Weights", Level.CRITICAL,
-                       f"{len(damaged)} file(s) of {name} are damaged: {shown}{more}",
+                       f"{len(damaged)} file(s) of {name} are damaged or failed: "
+                       f"{shown}{more}",
                        "fetch them again (`appliance weights refetch`, or the Weights page) or "
                        "re-import them; the engine refuses to start on them")
     if record.full_verified_at is None:

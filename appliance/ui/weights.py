@@ -110,7 +110,8 @@ def readiness(view: WeightsView, engine_model: str) -> Readiness:
                          "fetch the damaged files again (or copy them back), then run a "
                          "full verification", _shown(view.disk_problems))
     verification = view.verification
-    if verification is not None and not verification.ok and not view.busy:
+    if (verification is not None and not verification.ok and not view.busy
+            and view.full_verified_at is None):  # not yet repaired
         return Readiness(False, "Not ready for the engine: the full verification of "
                          f"{when(verification.at)} found {len(verification.mismatches)} "
                          "damaged file" + "s" * (len(verification.mismatches) != 1) + ".",

@@ -208,6 +208,7 @@ async def complete(service: WeightsService, record: records.SetRecord, manifest:
     await asyncio.to_thread(remove_quarantine, service.dir_for(manifest.repo_id))
     now = service.clock.now()
     await service.db.run(lambda s: records.set_full_verified(s, record.id, now))
+    service.note_verification(None, None)  # an earlier verdict of damage is repaired now
     report = await service.quick_verify()
     if report is not None and not report.ok:
         raise ApplianceError("weights_quick_failed", "every file matched its hash but the "

@@ -285,8 +285,9 @@ class WeightsService:
         set_id = control.active_set_id
         return await self.db.run(lambda s: records.load_manifest(s, set_id))
 
-    def note_verification(self, set_id: int, outcome: VerifyOutcome) -> None:
-        """Keep the last full verification's verdict for the status (CLI, page, API)."""
+    def note_verification(self, set_id: int | None, outcome: VerifyOutcome | None) -> None:
+        """Keep the last full verification's verdict for the status (CLI, page, API); None
+        once a pull has proven the set again."""
         self._verification, self._verification_set = outcome, set_id
 
     def dir_for(self, repo_id: str) -> Path:
