@@ -14,11 +14,12 @@ from typing import Annotated, Any, Literal
 
 from litestar import Request, Router, delete, get, post
 from litestar.params import FromPath, JSONBody, QueryParameter
-from litestar.response import ServerSentEvent
+from litestar.response import ServerSentEvent, ServerSentEventMessage
 
 from appliance.auditing import audit
 from appliance.auth.accounts import Admin
 from appliance.auth.guards import password_current
+from appliance.auth.liveness import credential_check, while_authorised
 from appliance.auth.middleware import AuthInfo, client_address
 from appliance.engine.logtail import follow, tail
 from appliance.engine.records import list_runs
@@ -144,11 +145,20 @@ async def engine_log_stream(
     rank: Annotated[int | None, QueryParameter(ge=0)] = None,
     level: Annotated[Literal["", "info", "warning", "error"], QueryParameter()] = "",
 ) -> ServerSentEvent:
-    path = runtime_of(request).supervisor.log_path
+    runtime = runtime_of(request)
+    path = runtime.supervisor.log_path
+    check = credential_check(request)
 
-    async def lines() -> AsyncIterator[str]:
-        async for line in follow(path, rank=rank, level=level):
+    async def lines() -> AsyncIterator[str | ServerSentEventMessage]:
+        # The stream outlives the middleware's one check: it ends when its token is revoked
+        # or its session ends, with a last event saying why.
+        async for line in while_authorised(follow(path, rank=rank, level=level), runtime,
+                                           check):
             yield line
+        yield ServerSentEventMessage(
+            event="unauthorized",
+            data="the API token or session of this stream was revoked or has ended; "
+                 "log in again or use a valid token")
 
     return ServerSentEvent(lines())
 

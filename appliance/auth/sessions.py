@@ -60,9 +60,12 @@ def open_session(
 
 
 def resolve_session(
-    session: Session, token: str, now: dt.datetime, policy: SessionPolicy
+    session: Session, token: str, now: dt.datetime, policy: SessionPolicy, *, touch: bool = True
 ) -> LiveSession | None:
-    """The live session for a cookie value, sliding its idle deadline; None if unknown/expired."""
+    """The live session for a cookie value, sliding its idle deadline; None if unknown/expired.
+
+    `touch=False` only checks: an open stream re-checking its session is not activity, so a
+    log left streaming in a forgotten tab does not keep the session alive."""
     row = session.get(AdminSession, _digest(token))
     if row is None:
         return None
@@ -72,7 +75,7 @@ def resolve_session(
     admin = get_admin(session, row.user_id)
     if admin is None:
         return None
-    if now - row.last_seen_at >= TOUCH_INTERVAL or now < row.last_seen_at:
+    if touch and (now - row.last_seen_at >= TOUCH_INTERVAL or now < row.last_seen_at):
         row.last_seen_at = now
         row.expires_at = min(now + policy.idle, row.created_at + policy.absolute)
     return LiveSession(row.id, admin, row.created_at, row.expires_at)

@@ -23,8 +23,9 @@ from appliance.db.models import ApiToken
 from appliance.errors import ApplianceError
 from appliance.secrets import keyed_hash
 
-TOKEN_RE = re.compile(r"^apt_([0-9a-f]{8})_([A-Za-z0-9_-]{43})$")
-NAME_RE = re.compile(r"^[\w .@-]{1,64}$")
+# Both used with fullmatch(): `^...$` with match() would pass a trailing "\n".
+TOKEN_RE = re.compile(r"apt_([0-9a-f]{8})_([A-Za-z0-9_-]{43})")
+NAME_RE = re.compile(r"[\w .@-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ def create_token(
     expires_at: dt.datetime | None = None,
 ) -> tuple[str, TokenInfo]:
     """Create a token; returns (the token, shown once; its record)."""
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):
         raise ApplianceError(
             "token_name_invalid", f"token name {name!r} is not allowed",
             "use 1-64 letters, digits, spaces or . @ - _", status=422,
@@ -97,10 +98,12 @@ def revoke_token(session: Session, prefix: str, now: dt.datetime) -> TokenInfo:
 
 
 def resolve_token(
-    session: Session, secret: bytes, token: str, now: dt.datetime
+    session: Session, secret: bytes, token: str, now: dt.datetime, *, touch: bool = True
 ) -> tuple[Admin, TokenInfo] | None:
-    """The admin a presented token acts for, or None (unknown, revoked, expired, malformed)."""
-    match = TOKEN_RE.match(token)
+    """The admin a presented token acts for, or None (unknown, revoked, expired, malformed).
+
+    `touch=False` only checks (an open stream re-checking its credential is not a new use)."""
+    match = TOKEN_RE.fullmatch(token)
     if match is None:
         return None
     row = session.scalar(select(ApiToken).where(ApiToken.prefix == match.group(1)))
@@ -111,6 +114,6 @@ def resolve_token(
     admin = get_admin(session, row.user_id)
     if admin is None:
         return None
-    if row.last_used_at is None or abs(now - row.last_used_at) >= TOUCH_INTERVAL:
+    if touch and (row.last_used_at is None or abs(now - row.last_used_at) >= TOUCH_INTERVAL):
         row.last_used_at = now  # at most one write per interval, as for sessions
     return admin, _info(row, admin.username)

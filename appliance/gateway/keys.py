@@ -23,8 +23,8 @@ from appliance.db.models import GatewayKey
 from appliance.errors import ApplianceError
 from appliance.secrets import keyed_hash
 
-KEY_RE = re.compile(r"^sk-([0-9a-f]{8})-([A-Za-z0-9_-]{43})$")
-NAME_RE = re.compile(r"^[\w .@-]{1,64}$")
+KEY_RE = re.compile(r"^sk-([0-9a-f]{8})-([A-Za-z0-9_-]{43})\Z")
+NAME_RE = re.compile(r"^[\w .@-]{1,64}\Z")
 OWNER_MAX = 128
 # The largest value each limit's column holds (Integer, BigInteger for tokens_per_day).
 LIMIT_MAX = {"max_concurrency": 2**31 - 1, "requests_per_minute": 2**31 - 1,

@@ -35,7 +35,7 @@ RANGES = {"24h": (dt.timedelta(hours=24), "Last 24 hours"),
 DEFAULT_RANGE = "24h"
 HOURLY_MAX = dt.timedelta(days=3)   # longer spans are drawn and summed by UTC day
 LONGEST = dt.timedelta(days=366)    # an explicit from/to may span at most this
-PREFIX_RE = re.compile(r"^[0-9a-f]{8}$")
+PREFIX_RE = re.compile(r"^[0-9a-f]{8}\Z")
 TIME_HINT = ("give an ISO 8601 date or time, e.g. 2026-11-30 or 2026-11-30T14:00Z "
              "(UTC when no zone is given)")
 
