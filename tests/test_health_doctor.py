@@ -239,3 +239,39 @@ def test_the_text_report() -> None:
         "", "Host", "  OK        Host load: calm",
         "", "Overall: WARN (0 critical, 1 warning, 2 ok)"]
     assert report.to_json()["counts"] == {"ok": 2, "warn": 1, "critical": 0}
+
+
+def test_a_stranger_on_the_gpus_is_named_when_no_engine_runs(migrated: Config) -> None:
+    """No engine of ours runs: a compute process holding GPU memory is a stranger, a WARN
+    with its pid, GPU and size (before, processes were only listed)."""
+    publish(migrated, "stopped")
+    gpus = FakeGpus(8)
+    gpus.add_process(2, 31337, 40 * 1024**3, "python")
+    report = asyncio.run(run_doctor(migrated, gpus=gpus,
+                                    engine_transport=httpx.MockTransport(Engine())))
+    found = next(r for r in report.results if r.id == "gpu.processes")
+    assert found.level is Level.WARN
+    assert "pid 31337 (python) on GPU 2 (40.0 GiB)" in found.summary
+
+
+def test_uncorrectable_ecc_is_judged_against_the_last_recorded_reading(
+        migrated: Config) -> None:
+    """The monitor recorded 3 uncorrectable errors on GPU 5; now there are 7: the doctor,
+    a one-off process, says 4 are new (CRITICAL) instead of only "7 since the driver
+    loaded"."""
+    from appliance.health import history, model
+
+    publish(migrated, "stopped")
+    db = Database(migrated.database_url)
+    try:
+        db.call(lambda s: history.record_samples(s, dt.datetime.now(dt.UTC), [
+            model.Sample(model.GPU_ECC_UNCORRECTED, "5", 3.0)]))
+    finally:
+        db.dispose()
+    gpus = FakeGpus(8)
+    gpus.set_fields(5, ecc_uncorrected_volatile=7)
+    report = asyncio.run(run_doctor(migrated, gpus=gpus,
+                                    engine_transport=httpx.MockTransport(Engine())))
+    found = next(r for r in report.results if r.id == "gpu.5.memory_errors")
+    assert found.level is Level.CRITICAL
+    assert "4 new uncorrectable ECC error(s) on GPU 5 since the last check" in found.summary

@@ -8,8 +8,10 @@ The first thing to run on a new box, and what to attach to a support request. It
   are writable by this user), the weights (a verified set recorded, no file of it damaged
   or quarantined, which is critical, and the quick tier of `appliance.weights.quick`
   passing now);
-- the GPU checks over NVML (`NvmlGpus`, in a thread, with `health.nvml_timeout_seconds`);
-  processes are listed, not judged: which PIDs are the engine's only the daemon knows;
+- the GPU checks over NVML (`NvmlGpus`, in a thread, with `health.nvml_timeout_seconds`):
+  a compute process outside the engine's process tree (the runner's record: none when no
+  engine of ours runs) is a stranger, a WARN with its pid, GPU and memory; uncorrectable ECC
+  errors are judged against the monitor's last recorded reading when there is one;
 - the engine checks, on the state the daemon published (`engine.publish`): the engine is
   probed only when that state is serving, and `EngineWatcher` sends a generation only to an
   idle engine — never to a busy or loading one;
@@ -38,7 +40,7 @@ from appliance.clock import Clock, SystemClock
 from appliance.config import Config
 from appliance.db.database import Database
 from appliance.engine.states import EngineState
-from appliance.gpu.port import GpuPort, snapshot_with_timeout
+from appliance.gpu.port import GpuPort, GpuSnapshot, snapshot_with_timeout
 from appliance.health.model import CheckResult, Level
 
 GROUP = "appliance"
@@ -295,6 +297,43 @@ async def engine_results(config: Config, db: Database | None, daemon_running: bo
             *engine_checks(figures, config.health)]
 
 
+def engine_pids(config: Config) -> frozenset[int] | None:
+    """The processes of the engine this appliance runs (its whole tree); empty when no engine
+    of ours runs, so any compute process on the GPUs is a stranger; None when it cannot be
+    told (the runner could not be asked): processes are then listed, not judged."""
+    from appliance.engine.runner import tree_pids
+    from appliance.errors import ApplianceError
+    from appliance.runtime import engine_runner
+
+    try:
+        ident = engine_runner(config).find()
+    except (ApplianceError, OSError):
+        return None
+    return frozenset(tree_pids(ident.pid)) if ident is not None else frozenset()
+
+
+def _recorded_ecc(db: Database) -> dict[str, tuple[dt.datetime, float]]:
+    from appliance.health import history, model
+
+    try:
+        return db.call(lambda s: history.latest_by_subject(s, model.GPU_ECC_UNCORRECTED))
+    except Exception:  # an older schema or a locked database: judge without the reading
+        return {}
+
+
+def last_recorded(snapshot: GpuSnapshot,
+                  recorded: dict[str, tuple[dt.datetime, float]]) -> GpuSnapshot | None:
+    """The monitor's last uncorrectable-ECC reading of each GPU as a "before" snapshot, so a
+    one-off doctor run sees errors that are new since then (None when nothing was recorded)."""
+    import dataclasses
+
+    if snapshot.error is not None or not recorded:
+        return None
+    before = tuple(dataclasses.replace(g, ecc_uncorrected_volatile=int(recorded[str(g.index)][1]))
+                   for g in snapshot.gpus if str(g.index) in recorded)
+    return dataclasses.replace(snapshot, gpus=before) if before else None
+
+
 async def run_doctor(config: Config, *, gpus: GpuPort | None = None, clock: Clock | None = None,
                      engine_transport: httpx.AsyncBaseTransport | None = None) -> Report:
     """Every check once (see the module docstring); never raises for what it finds."""
@@ -311,10 +350,13 @@ async def run_doctor(config: Config, *, gpus: GpuPort | None = None, clock: Cloc
     own = [_result("appliance.config", "Configuration", Level.OK,
                    f"loaded from {config.source}"), daemon, *directory_checks(config)]
     db = Database(config.database_url)
+    recorded_ecc: dict[str, tuple[dt.datetime, float]] = {}
     try:
         database = await asyncio.to_thread(database_check, db)
         own.append(database)
         usable = db if database.level is Level.OK else None
+        if usable is not None:
+            recorded_ecc = await asyncio.to_thread(_recorded_ecc, usable)
         if usable is None:
             own.append(_result("appliance.weights", "Weights", Level.WARN,
                                "not checked: the database cannot be read",
@@ -327,7 +369,9 @@ async def run_doctor(config: Config, *, gpus: GpuPort | None = None, clock: Cloc
     finally:
         db.dispose()
     host = await asyncio.to_thread(read_host, config.paths, now)
-    gpu = gpu_checks(await gpu_snapshot, config.gpu, None, None)
+    snapshot = await gpu_snapshot
+    own_pids = await asyncio.to_thread(engine_pids, config)
+    gpu = gpu_checks(snapshot, config.gpu, last_recorded(snapshot, recorded_ecc), own_pids)
     results = [*own, *gpu, *engine,
                *(r for r in host_checks(host, config.health, config.paths)
                  if r.id not in LEFT_OUT)]

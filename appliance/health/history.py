@@ -66,6 +66,7 @@ def samples_of(snapshot: HealthSnapshot) -> list[Sample]:
                 keep(model.GPU_POWER, subject, gpu.power_w)
                 keep(model.GPU_UTILIZATION, subject, gpu.utilization_pct)
                 keep(model.GPU_MEMORY_USED, subject, gpu.memory_used_bytes)
+                keep(model.GPU_ECC_UNCORRECTED, subject, gpu.ecc_uncorrected_volatile)
     engine = snapshot.engine
     if engine is not None:
         keep(model.ENGINE_TOKEN_USAGE, "", engine.token_usage)
@@ -228,6 +229,18 @@ class TransitionView:
     def kind(self) -> str:
         """"failure", "recovery" or "change", as `transitions.Transition.kind`."""
         return kind_of(self.previous_level, self.level)
+
+
+def latest_by_subject(session: Session, name: str) -> dict[str, tuple[dt.datetime, float]]:
+    """The newest fine sample of series `name` for each subject (e.g. each GPU index)."""
+    rows = session.execute(
+        select(HealthSampleRow.subject, HealthSampleRow.at, HealthSampleRow.value)
+        .where(HealthSampleRow.name == name).order_by(HealthSampleRow.at.desc()).limit(512)
+    ).all()
+    out: dict[str, tuple[dt.datetime, float]] = {}
+    for subject, at, value in rows:
+        out.setdefault(subject, (as_utc(at), float(value)))
+    return out
 
 
 def transitions(session: Session, check_id: str | None = None,

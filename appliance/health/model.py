@@ -160,6 +160,9 @@ GPU_TEMPERATURE = "gpu.temperature_c"
 GPU_POWER = "gpu.power_w"
 GPU_UTILIZATION = "gpu.utilization_pct"
 GPU_MEMORY_USED = "gpu.memory_used_bytes"
+# The driver's uncorrectable ECC count: kept so that `appliance doctor`, a one-off process,
+# can judge new errors against the monitor's last reading instead of seeing no "before".
+GPU_ECC_UNCORRECTED = "gpu.ecc_uncorrected"
 ENGINE_TOKEN_USAGE = "engine.token_usage"  # noqa: S105 - a series name, not a secret
 ENGINE_STATE_USAGE = "engine.state_usage"
 ENGINE_THROUGHPUT = "engine.generation_tps"
@@ -170,7 +173,8 @@ ENGINE_TTFT_P50 = "engine.ttft_p50_s"
 HOST_MODELS_FREE = "host.models_free_bytes"
 HOST_MEMORY_AVAILABLE = "host.memory_available_bytes"
 SAMPLE_NAMES = (  # every one of them
-    GPU_TEMPERATURE, GPU_POWER, GPU_UTILIZATION, GPU_MEMORY_USED, ENGINE_TOKEN_USAGE,
+    GPU_TEMPERATURE, GPU_POWER, GPU_UTILIZATION, GPU_MEMORY_USED, GPU_ECC_UNCORRECTED,
+    ENGINE_TOKEN_USAGE,
     ENGINE_STATE_USAGE, ENGINE_THROUGHPUT, ENGINE_RUNNING, ENGINE_QUEUED, ENGINE_CACHE_HIT,
     ENGINE_TTFT_P50, HOST_MODELS_FREE, HOST_MEMORY_AVAILABLE)
 
