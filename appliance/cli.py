@@ -267,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     from appliance.ops import cli as ops_cli
 
     ops_cli.add_parser(sub, common)
+    from appliance.ops import backup_cli
+
+    backup_cli.add_parser(sub, common)
     return parser
 
 
@@ -312,6 +315,12 @@ def cmd_support_bundle(args: argparse.Namespace, config: Config) -> int:
     return ops_cli.run(args, config)
 
 
+def cmd_backup(args: argparse.Namespace, config: Config) -> int:
+    from appliance.ops import backup_cli
+
+    return backup_cli.run(args, config)
+
+
 def cmd_gateway(args: argparse.Namespace, config: Config) -> int:
     from appliance.gateway.serve import run_gateway
 
@@ -324,6 +333,7 @@ HANDLERS: dict[str, Handler] = {
     "engine": cmd_engine, "weights": cmd_weights, "tune": cmd_tune, "keys": cmd_keys,
     "doctor": cmd_doctor, "qualify": cmd_qualify,
     "support-bundle": cmd_support_bundle,
+    "backup": cmd_backup, "restore": cmd_backup,
 }
 
 

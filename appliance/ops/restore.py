@@ -1,0 +1,386 @@
+"""`appliance restore FILE`: put a backup (appliance.ops.backup) back onto a box.
+
+Meant for a freshly installed box (or this one after a loss), with the daemon and the gateway
+stopped. In order, and nothing on the box changes before step 4:
+
+1. take the daemon's lock (a running daemon is refused) and refuse while the gateway's port
+   answers (it would keep writing to the database being replaced);
+2. read the file, check every member against MANIFEST.json's sha256 and size (a damaged or
+   truncated file is refused, naming the member); refuse a newer format or schema revision
+   than this release knows, and a backup of the other database kind;
+3. open the secrets with the passphrase (a wrong one is refused);
+4. write the database (SQLite's backup API into the configured file; `pg_restore` into the
+   configured PostgreSQL), then migrate it when it is older than this release; write the
+   secrets (0600 in a 0700 directory) and the launch spec; put the old box's configuration
+   and weights manifest under state_dir/restored/ for the operator to compare and use;
+5. record the restore in the audit log and say what was restored and what was not.
+
+Users' API keys and admin tokens keep working only with the secrets: their stored HMACs are
+keyed with server.key. Without the secrets the report says so, plainly.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime as dt
+import hashlib
+import json
+import shutil
+import socket
+import sqlite3
+import subprocess
+import tarfile
+import tempfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import IO, Any
+
+from appliance.atomic import write_atomic
+from appliance.config import Config
+from appliance.errors import EX_DATAERR, ApplianceError
+from appliance.ops import backup as bk
+
+MAX_MANIFEST = 1 << 20
+CHUNK = 1 << 20
+
+
+class BackupRefused(ApplianceError):
+    """The backup cannot be restored here (damaged, newer, wrong kind); nothing was changed."""
+
+    exit_code = EX_DATAERR
+
+
+@dataclass
+class RestoreReport:
+    restored: list[str] = field(default_factory=list)
+    not_restored: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        out = ["restored:"] + [f"  - {item}" for item in self.restored]
+        out += ["not restored:"] + [f"  - {item}" for item in self.not_restored]
+        out += [f"warning: {item}" for item in self.warnings]
+        return out
+
+
+@dataclass(frozen=True)
+class OpenedBackup:
+    """A verified backup, extracted into `folder` (a private temporary directory)."""
+
+    path: Path
+    folder: Path
+    manifest: dict[str, Any]
+
+    def member(self, name: str) -> Path | None:
+        return self.folder / name if name in self.manifest["files"] else None
+
+
+def _damaged(path: Path, why: str) -> BackupRefused:
+    return BackupRefused("backup_damaged", f"the backup {path} is damaged: {why}; nothing was "
+                         "changed", "use another copy of this backup, or an older backup")
+
+
+def _safe_name(name: str) -> bool:
+    parts = PurePosixPath(name).parts
+    return bool(parts) and not name.startswith("/") and ".." not in parts
+
+
+def open_backup(path: Path, folder: Path) -> OpenedBackup:
+    """Extract and verify `path` into `folder`. Raises `BackupRefused` naming the damage."""
+    if not path.is_file():
+        raise ApplianceError("backup_missing", f"there is no backup file at {path}",
+                             "give the path of a file `appliance backup` wrote", exit_code=66)
+    digests: dict[str, tuple[str, int]] = {}
+    manifest_bytes: bytes | None = None
+    try:
+        with tarfile.open(path, mode="r:*") as tar:
+            for info in tar:
+                if not info.isfile() or not _safe_name(info.name):
+                    raise _damaged(path, f"it holds {info.name!r}, which no backup holds")
+                handle = tar.extractfile(info)
+                assert handle is not None
+                if info.name == bk.MANIFEST:
+                    manifest_bytes = handle.read(MAX_MANIFEST + 1)
+                    continue
+                digests[info.name] = _extract(handle, folder / info.name)
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
+        if isinstance(exc, OSError) and not isinstance(exc, tarfile.TarError) \
+                and exc.filename is not None:
+            raise  # our own folder, not the backup
+        raise _damaged(path, f"it is not a readable tar file ({type(exc).__name__}: "
+                       f"{exc})") from None
+    if manifest_bytes is None:
+        raise _damaged(path, f"it has no {bk.MANIFEST} (is it an appliance backup?)")
+    try:
+        manifest = json.loads(manifest_bytes)
+        files = manifest["files"]
+        assert isinstance(files, dict)
+    except (ValueError, KeyError, TypeError, AssertionError):
+        raise _damaged(path, f"its {bk.MANIFEST} is not valid") from None
+    fmt = manifest.get("format")
+    if not isinstance(fmt, int) or fmt > bk.FORMAT:
+        raise BackupRefused("backup_format_newer",
+                            f"the backup {path} has format {fmt!r}; this release reads format "
+                            f"{bk.FORMAT} and older",
+                            "restore it with the release that took it (appliance "
+                            f"{manifest.get('appliance_version', '?')}) or a newer one")
+    for name, (digest, size) in sorted(digests.items()):
+        expected = files.get(name)
+        if not isinstance(expected, dict):
+            raise _damaged(path, f"{name} is not listed in its {bk.MANIFEST}")
+        if size != expected.get("bytes") or digest != expected.get("sha256"):
+            raise _damaged(path, f"{name} does not match its checksum (expected "
+                           f"{expected.get('bytes')} bytes, sha256 "
+                           f"{str(expected.get('sha256'))[:16]}…; found {size} bytes, sha256 "
+                           f"{digest[:16]}…)")
+    missing = sorted(set(files) - set(digests))
+    if missing:
+        raise _damaged(path, f"{', '.join(missing)} listed in its {bk.MANIFEST} is missing")
+    return OpenedBackup(path, folder, manifest)
+
+
+def _extract(handle: IO[bytes], target: Path) -> tuple[str, int]:
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    digest, size = hashlib.sha256(), 0
+    with target.open("wb") as out:
+        while chunk := handle.read(CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+            out.write(chunk)
+    return digest.hexdigest(), size
+
+
+def check_schema(opened: OpenedBackup, script_location: Path) -> str:
+    """The backup's revision, refused when this release does not know it (newer) or the
+    backup has none."""
+    from alembic.config import Config as AlembicConfig
+    from alembic.script import ScriptDirectory
+
+    revision = opened.manifest.get("schema_revision")
+    if not isinstance(revision, str) or not revision:
+        raise BackupRefused("backup_no_schema",
+                            f"the backup {opened.path} holds a database that was never migrated",
+                            "use a backup of a box that ran")
+    cfg = AlembicConfig()
+    cfg.set_main_option("script_location", str(script_location))
+    script = ScriptDirectory.from_config(cfg)
+    try:
+        known = script.get_revision(revision) is not None
+    except Exception:  # alembic raises several types for an unknown id
+        known = False
+    if not known:
+        raise BackupRefused(
+            "backup_schema_newer",
+            f"the backup {opened.path} is at schema revision {revision}, newer than this "
+            f"release knows (its newest is {script.get_current_head()}); nothing was changed",
+            f"install appliance {opened.manifest.get('appliance_version', '?')} or newer, "
+            "then restore")
+    return revision
+
+
+def gateway_listening(config: Config) -> bool:
+    host = config.gateway.host
+    host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host  # noqa: S104
+    try:
+        with socket.create_connection((host, config.gateway.port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def open_secrets(opened: OpenedBackup, passphrase: str | None) -> dict[str, bytes] | None:
+    """The secrets files, or None when the backup has none or `passphrase` is None."""
+    from appliance.ops.crypto import unseal
+
+    path = opened.member(bk.SECRETS_MEMBER)
+    if path is None or passphrase is None:
+        return None
+    payload = json.loads(unseal(path.read_bytes(), passphrase))
+    files: dict[str, bytes] = {}
+    for name, encoded in payload["files"].items():
+        if not _safe_name(name):
+            raise _damaged(opened.path, f"its secrets name {name!r}")
+        files[name] = base64.b64decode(encoded)
+    return files
+
+
+def restore(config: Config, path: Path, *, passphrase: str | None, script_location: Path,
+            now: dt.datetime, actor: str, check_gateway: bool = True) -> RestoreReport:
+    """See the module docstring. `passphrase` None: the secrets are not restored (the caller
+    decided: --no-secrets, or the backup has none)."""
+    from appliance.lock import InstanceLock
+
+    state_dir = config.paths.state_dir
+    lock = InstanceLock(state_dir)
+    lock.acquire()  # refuses a running daemon, and keeps one from starting meanwhile
+    try:
+        if check_gateway and gateway_listening(config):
+            raise ApplianceError(
+                "gateway_running",
+                f"something answers on the gateway's port {config.gateway.port}; the gateway "
+                "writes to the database a restore replaces",
+                "stop it first (`systemctl stop appliance-gateway`), then restore", exit_code=75)
+        with tempfile.TemporaryDirectory(prefix=".restore-", dir=state_dir) as work:
+            opened = open_backup(path, Path(work))
+            revision = check_schema(opened, script_location)
+            kind = opened.manifest.get("database")
+            here = "sqlite" if config.database_url.startswith("sqlite") else "postgresql"
+            if kind != here:
+                raise BackupRefused(
+                    "backup_database_kind",
+                    f"the backup {path} holds a {kind} database; this box uses {here}",
+                    "set database.url like the old box's (see the backup's "
+                    "config/appliance.toml), or restore on a box configured alike")
+            secrets = open_secrets(opened, passphrase)
+            return _apply(config, opened, revision, secrets, script_location, now, actor)
+    finally:
+        lock.release()
+
+
+def _apply(config: Config, opened: OpenedBackup, revision: str,
+           secrets: dict[str, bytes] | None, script_location: Path, now: dt.datetime,
+           actor: str) -> RestoreReport:
+    from appliance.auth.bootstrap import retire_bootstrap_file
+    from appliance.db.database import Database
+    from appliance.db.journal import add_audit, add_event
+    from appliance.db.schema import migrate
+    from appliance.secrets import write_private
+
+    state_dir = config.paths.state_dir
+    report = RestoreReport()
+    manifest = opened.manifest
+    url = config.database_url
+    if url.startswith("sqlite"):
+        source = opened.member(bk.SQLITE_MEMBER)
+        assert source is not None, "checked: the manifest of a SQLite backup lists it"
+        target = bk._sqlite_path(url)
+        _restore_sqlite(source, target)
+        bk.own_like(target, state_dir)
+    else:
+        source = opened.member(bk.PG_MEMBER)
+        assert source is not None
+        _pg_restore(url, source)
+    db = Database(url)
+    try:
+        result = migrate(db, script_location, state_dir / "backups", now)
+        migrated = (f", migrated from schema {result.before} to {result.after}"
+                    if result.before != result.after else "")
+        report.restored.append(
+            f"database ({manifest['database']}, schema {revision}{migrated}): admin accounts, "
+            "users' API keys, usage history, the audit log and events, tuning profiles and the "
+            "applied split, qualifications, the weights manifest and the engine's desired state")
+        if secrets is not None:
+            for name, data in sorted(secrets.items()):
+                target = state_dir / "secrets" / name
+                write_private(target, data)
+                bk.own_like(target, state_dir)
+            bk.own_like(state_dir / "secrets", state_dir)
+            report.restored.append(
+                f"secrets ({', '.join(sorted(secrets))}): users' API keys and admin API tokens "
+                "keep working")
+        else:
+            why = ("the backup was taken without them" if not manifest["secrets"]["included"]
+                   else "--no-secrets was given")
+            report.not_restored.append(
+                f"secrets ({why}): server.key, the key the stored API keys and admin tokens are "
+                "checked with, is this box's own, so EVERY user's API key and every admin API "
+                "token of the old box will NOT work; issue new ones (`appliance keys create`, "
+                "`appliance token create`). Admin passwords still work")
+        spec = opened.member(bk.SPEC_MEMBER)
+        if spec is not None:
+            target = state_dir / "engine" / "launch-spec.json"
+            write_atomic(target, spec.read_bytes(), mode=0o640, dir_mode=0o750)
+            bk.own_like(target, state_dir)
+            report.restored.append(f"the engine's last launch spec ({target})")
+        aside = _put_aside(opened, state_dir / "restored")
+        weights = manifest.get("weights")
+        if weights:
+            report.not_restored.append(
+                f"{bk.NOT_IN_BACKUPS}: {weights['repo']} at commit {weights['commit']}, "
+                f"{weights['files']} files, {weights['bytes']:,} bytes; its manifest is in "
+                f"{aside.get(bk.WEIGHTS_MEMBER, 'the database')} "
+                f"(`appliance weights import DIR --manifest` takes it)")
+        else:
+            report.not_restored.append("weights: the old box had no weights manifest recorded")
+        if bk.CONFIG_MEMBER in aside:
+            report.not_restored.append(
+                f"configuration: the old box's file is in {aside[bk.CONFIG_MEMBER]}; this "
+                f"box's ({config.source}) was left as it is. Compare them (`diff`) and carry "
+                "over what applies here (paths, database URL, ports, TLS)")
+        if retire_bootstrap_file(state_dir):
+            report.restored.append("admin accounts replace this box's one-time bootstrap login "
+                                   "(its file was deleted)")
+
+        def record(session: Any) -> None:
+            detail = {"file": str(opened.path), "created_at": manifest.get("created_at"),
+                      "host": manifest.get("host"), "schema": revision,
+                      "secrets": secrets is not None}
+            add_audit(session, at=now, actor=actor, action="backup.restore",
+                      target=opened.path.name, detail=detail)
+            add_event(session, at=now, severity="info", source="backup",
+                      message=f"restored the backup {opened.path.name} taken "
+                              f"{manifest.get('created_at')} on {manifest.get('host')}",
+                      detail=detail)
+
+        db.call(record)
+    finally:
+        db.dispose()
+    return report
+
+
+def _restore_sqlite(source: Path, target: Path) -> None:
+    """SQLite's backup API, from the extracted copy into the configured file: it writes
+    through the target's own connection, so a -wal file left beside it is handled, never
+    replayed over the restored pages."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    src = sqlite3.connect(source)
+    dst = sqlite3.connect(target, timeout=30)
+    try:
+        src.backup(dst)
+        dst.execute("PRAGMA journal_mode=WAL")  # the daemon's mode (appliance.db.database)
+    finally:
+        src.close()
+        dst.close()
+
+
+def _pg_restore(url: str, dump: Path) -> None:
+    import os
+
+    uri, secret_env = bk.libpq_target(url)
+    try:
+        done = subprocess.run(
+            ["pg_restore", "--clean", "--if-exists", "--no-owner", "--no-privileges",
+             "--single-transaction", "--exit-on-error", f"--dbname={uri}", str(dump)],
+            env={**os.environ, **secret_env}, capture_output=True, text=True, check=False,
+            timeout=6 * 3600)
+    except FileNotFoundError:
+        raise ApplianceError("restore_no_pg_restore", "pg_restore is not installed",
+                             "install the PostgreSQL client (`apt-get install "
+                             "postgresql-client`)") from None
+    if done.returncode != 0:
+        raise ApplianceError("restore_pg_failed",
+                             f"pg_restore failed (exit {done.returncode}), and rolled back: "
+                             f"{done.stderr.strip()[-500:]}",
+                             "check database.url and that the database exists and is empty or "
+                             "this appliance's")
+
+
+def _put_aside(opened: OpenedBackup, folder: Path) -> dict[str, str]:
+    """Copy the old box's configuration and weights manifest to `folder` (0750)."""
+    placed: dict[str, str] = {}
+    for member, name in ((bk.CONFIG_MEMBER, "appliance.toml"),
+                         (bk.WEIGHTS_MEMBER, "weights-manifest.json")):
+        source = opened.member(member)
+        if source is None:
+            continue
+        target = folder / name
+        folder.mkdir(mode=0o750, exist_ok=True)
+        shutil.copyfile(source, target)
+        target.chmod(0o640)
+        with contextlib.suppress(OSError):
+            bk.own_like(target, folder.parent)
+            bk.own_like(folder, folder.parent)
+        placed[member] = str(target)
+    return placed
