@@ -4,8 +4,13 @@ The supervisor is the only writer of engine state; this module copies what matte
 gateway (state, message, ETA) into the one-row `engine_status` table whenever it changes.
 Writes are coalesced: the first change is written at once, later ones at most once per
 `interval` seconds, and the newest always wins, so a 90-minute load with a moving percentage
-costs one small write a second. The gateway polls the row (`read_published`); when the daemon
-is restarted the row keeps the last state, so a serving engine keeps serving.
+costs one small write a second. The gateway polls the row (`read_published`).
+
+A restarted daemon costs users nothing: the row keeps the last state while no daemon runs, and
+nothing is written until the new supervisor's first reconcile has finished
+(`EngineStatus.reconciled`): its initial STOPPED, and the ADOPTED it passes through while it
+adopts a live engine, are guesses the gateway must not act on. The first write is then what
+it found: READY for an adopted engine that answers, STOPPED when there is none.
 """
 
 from __future__ import annotations
@@ -89,11 +94,15 @@ class StatusPublisher:
         self._latest: tuple[str, str, float | None] | None = None
         self._written: tuple[str, str, float | None] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._reconciled = False  # nothing is written before the supervisor's first reconcile
 
     def listen(self, status: EngineStatus) -> None:
         """The supervisor's on_change listener (runs on the event loop)."""
         eta = None if status.eta_seconds is None else round(status.eta_seconds)
         self._latest = (status.state.value, status.message, eta)
+        if not status.reconciled:
+            return  # an initial guess: the row keeps the last known state (module doc)
+        self._reconciled = True
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._flush())
 
@@ -112,7 +121,7 @@ class StatusPublisher:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        if self._latest is not None and self._latest != self._written:
+        if self._reconciled and self._latest is not None and self._latest != self._written:
             await self._write(self._latest)
 
     async def _write(self, latest: tuple[str, str, float | None]) -> None:

@@ -100,6 +100,9 @@ class EngineStatus:
     pending: str | None = None
     rollback_available: bool = False
     expected_start_seconds: float | None = None
+    # False only before the daemon's first reconcile: the state is an initial guess then, and
+    # the publisher keeps the last published one (a restarted daemon costs users nothing).
+    reconciled: bool = True
 
     @property
     def admits_requests(self) -> bool:
@@ -191,7 +194,7 @@ class Supervisor:
         self.poll_interval = poll_interval
         self.ready_interval = ready_interval
         self.backoff_base = backoff_base
-        self._status = EngineStatus(since=clock.now())
+        self._status = EngineStatus(since=clock.now(), reconciled=False)
         self._queue: asyncio.Queue[tuple[Command, str, int, asyncio.Future[EngineStatus]]] | None
         self._queue = None
         self._pending: dict[Command, asyncio.Future[EngineStatus]] = {}
@@ -298,6 +301,8 @@ class Supervisor:
             await self._event("error", f"cannot tell whether an engine runs: {exc.message}")
             self._transition(EngineState.STOPPED, f"engine state unknown: {exc.message}",
                              reason="runner_unavailable", hint=exc.hint)
+        finally:
+            self._set(reconciled=True)  # the gateway may now see what was found
 
     async def stop_service(self) -> None:
         """The daemon is going down: stop watching. The engine keeps running (by design)."""
@@ -741,8 +746,9 @@ class Supervisor:
         await self._event("info", f"adopted the running engine (pid {ident.pid}, run {run.id});"
                                   " no second engine started")
         self._follow(live)
-        if parsed.ready:
-            healthy = await self.client.ready()
+        # An engine that answers /ready is serving, whatever its log shows (rotated, say).
+        healthy = await self.client.ready()
+        if parsed.ready or healthy:
             state = EngineState.READY if healthy else EngineState.DEGRADED
             if not healthy:
                 self._failures["ready"] = ("/ready fails", "")
