@@ -32,6 +32,7 @@ from appliance import __version__
 from appliance.api.engine import engine_router
 from appliance.api.health import health_router
 from appliance.api.keys import keys_router
+from appliance.api.ops import ops_router
 from appliance.api.routes import api_router
 from appliance.api.tuning import tuning_router
 from appliance.api.usage import usage_router
@@ -206,6 +207,7 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
             usage_router(),
             keys_router(),
             health_router(),
+            ops_router(),
             create_static_files_router(path="/static", directories=[static_dir()],
                                        include_in_schema=False),
         ],

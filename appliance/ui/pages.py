@@ -1,5 +1,5 @@
 """Console pages: dashboard (with the health monitor's view), audit, events, settings (with
-admin API tokens).
+admin API tokens and the support bundle's button).
 
 Each page has a full template under `pages/` and each htmx swap target its own partial under
 `partials/`; a request with `HX-Request` gets the partial only.
@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from litestar import Request, get, post
 from litestar.params import FromPath, FromQuery, QueryParameter, URLEncodedBody
-from litestar.response import Redirect, Template
+from litestar.response import File, Redirect, Template
 
 from appliance.api.health import load_board
 from appliance.auth.accounts import list_admins
@@ -147,6 +147,16 @@ async def settings_page(request: AdminRequest) -> Template:
             "created": None,
         },
     )
+
+
+@post("/settings/support-bundle", status_code=200, **GUARDED)
+async def support_bundle_ui(request: AdminRequest) -> File:
+    """The Settings page's "Download a support bundle" button: a plain form POST (no htmx),
+    so the browser saves the answer as a file. Same archive and audit as the API's."""
+    from appliance.api.ops import make_bundle
+
+    return await make_bundle(runtime_of(request), actor=request.user.username,
+                             address=client_address(request))
 
 
 @dataclass

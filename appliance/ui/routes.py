@@ -34,6 +34,7 @@ from appliance.ui.pages import (
     events_page,
     revoke_token_ui,
     settings_page,
+    support_bundle_ui,
 )
 from appliance.ui.qualify import (
     qualify_cancel_ui,
@@ -70,6 +71,7 @@ def ui_handlers() -> list[BaseRouteHandler]:
     return [
         login_page, login, logout, password_page, change_password,
         dashboard, audit_page, events_page, settings_page, create_token_ui, revoke_token_ui,
+        support_bundle_ui,
         engine_page, engine_status_partial, engine_action_ui, engine_schedule_partial,
         engine_schedule_ui, engine_schedule_cancel_ui,
         weights_page, weights_status_partial, weights_pull_ui, weights_verify_quick_ui,
