@@ -32,7 +32,7 @@ from appliance.ui.login import (
 )
 
 PER_PAGE = 50
-PageQuery = Annotated[int, QueryParameter(ge=1)]
+PageQuery = Annotated[int, QueryParameter(ge=1, le=1_000_000)]  # past it: 400, not an SQL overflow
 
 
 def _to_password_page(request: Request[Any, Any, Any], _: PasswordChangeRequired) -> Any:
