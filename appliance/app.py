@@ -45,6 +45,7 @@ from appliance.health.jobs import schedule_health
 from appliance.health.metrics_route import metrics_handler
 from appliance.hostguard import HostGuard
 from appliance.housekeeping import schedule_housekeeping
+from appliance.ops.jobs import schedule_backups
 from appliance.resources import static_dir, templates_dir
 from appliance.runtime import Runtime
 from appliance.ui.routes import ui_handlers
@@ -245,6 +246,7 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
 
 async def _start(runtime: Runtime) -> None:
     schedule_housekeeping(runtime)
+    schedule_backups(runtime)  # the nightly backup's tick (appliance.ops.jobs)
     if not runtime.scheduler.running:
         runtime.scheduler.start()
     await runtime.tuning.start_service()  # the applied split, before any launch spec

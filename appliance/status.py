@@ -15,6 +15,8 @@ import psutil
 
 from appliance.auth.bootstrap import bootstrap_file
 from appliance.db.schema import schema_state
+from appliance.ops.backup import read_status
+from appliance.ops.schedule import last_backup_line
 from appliance.runtime import Runtime
 from appliance.volumes import disk_space
 
@@ -43,6 +45,7 @@ class DaemonStatus:
     volumes: list[VolumeUsage]
     scheduler_jobs: list[str]
     rss_bytes: int
+    last_backup: str = ""  # a sentence: when, how old, with or without secrets
 
 
 def _volumes(named: Iterable[tuple[str, Path]]) -> list[VolumeUsage]:
@@ -72,6 +75,7 @@ def _gather(runtime: Runtime) -> DaemonStatus:
                           ("logs", paths.log_dir))),
         scheduler_jobs=[job.id for job in runtime.scheduler.get_jobs()],
         rss_bytes=psutil.Process().memory_info().rss,
+        last_backup=last_backup_line(read_status(paths.state_dir), runtime.clock.now()),
     )
 
 

@@ -53,6 +53,8 @@ from appliance.health.model import (
     merge,
 )
 from appliance.health.transitions import Transition
+from appliance.ops.backup import read_status
+from appliance.ops.schedule import backup_check
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +144,10 @@ class HealthMonitor:
 
     async def _poll_host(self, now: dt.datetime) -> tuple[list[CheckResult], dict[str, Any]]:
         figures = await asyncio.to_thread(self.read_host, now)
-        return host_checks(figures, self.config.health, self.config.paths), {"host": figures}
+        backups = await asyncio.to_thread(read_status, self.config.paths.state_dir)
+        results = [*host_checks(figures, self.config.health, self.config.paths),
+                   backup_check(self.config.backup.schedule, backups, now)]
+        return results, {"host": figures}
 
     async def _run(self, group: str, poll: Poll) -> HealthSnapshot:
         async with self._locks[group]:
