@@ -27,7 +27,7 @@ from appliance.engine.client import EngineClient
 from appliance.engine.publish import StatusPublisher
 from appliance.engine.runner import EngineRunner, ProcessRunner
 from appliance.engine.supervisor import Supervisor
-from appliance.engine.systemd_runner import SystemdRunner
+from appliance.engine.systemd_runner import UNIT_LOG, SystemdRunner
 from appliance.gpu.nvml import NvmlGpus
 from appliance.gpu.port import GpuPort
 from appliance.health.alerts import Alerts
@@ -92,7 +92,7 @@ def engine_runner(config: Config) -> EngineRunner:
     """The runner the configuration asks for (production: systemd; dev, demo, CI: process)."""
     state_dir = config.paths.state_dir
     if config.engine.runner == "systemd":
-        return SystemdRunner(state_dir, config.paths.log_dir / "engine.log")
+        return SystemdRunner(state_dir, UNIT_LOG)
     return ProcessRunner(state_dir)
 
 
@@ -190,7 +190,8 @@ async def start_when_waiting(supervisor: Supervisor) -> None:
 
     status = supervisor.status
     desired = await supervisor.db.run(get_desired)
-    if desired.running and status.state is EngineState.STOPPED and status.reason == "preflight":
+    if desired.running and status.state is EngineState.STOPPED and status.reason in (
+            "preflight", "waiting_for_weights"):
         started = supervisor.submit(Command.START, "weights ready")
         started.add_done_callback(lambda f: None if f.cancelled() else f.exception())
 

@@ -107,6 +107,10 @@ def evaluate(facts: PreflightFacts, config: Config) -> tuple[Check, ...]:
     )
 
 
+# The checks about the weights themselves: all a fresh box fails while its pull runs.
+WEIGHTS_CHECKS = frozenset({"weights_present", "weights_verified"})
+
+
 def blocking(checks: Iterable[Check]) -> list[Check]:
     """The failed checks that must stop a launch."""
     return [check for check in checks if not check.ok and check.severity == "error"]

@@ -31,7 +31,7 @@ from appliance.engine import logparse
 from appliance.engine.args import LaunchSpec, build_launch_spec, inputs_from_config
 from appliance.engine.client import EngineClient
 from appliance.engine.logreport import render_json
-from appliance.engine.preflight import blocking, evaluate, gather_facts
+from appliance.engine.preflight import WEIGHTS_CHECKS, blocking, evaluate, gather_facts
 from appliance.engine.progress import Signals, Tracker, estimate, is_hung, observe, stalled_for
 from appliance.engine.records import (
     RunRecord,
@@ -393,6 +393,14 @@ class Supervisor:
             gather_facts, self.config, self.gpus, weights_verified=verdict.verified,
             weights_detail=verdict.message, weights_hint=verdict.hint)
         problems = blocking(evaluate(facts, self.config))
+        if problems and verdict.waiting and all(p.name in WEIGHTS_CHECKS for p in problems):
+            # A fresh box's first start: the weights are on their way. Not a failure: the
+            # engine starts by itself once they are proven (runtime.start_when_waiting).
+            await self._event("info", f"the engine waits for the weights ({verdict.message})")
+            self._transition(EngineState.STOPPED, verdict.message,
+                             reason="waiting_for_weights", hint=verdict.hint)
+            raise ApplianceError("waiting_for_weights", verdict.message, verdict.hint,
+                                 status=409)
         if problems:
             summary = "; ".join(p.message for p in problems)
             hint = " ".join(p.hint for p in problems)

@@ -25,7 +25,7 @@ from appliance.config import describe
 from appliance.db.journal import SEVERITIES, list_audit, list_events
 from appliance.errors import ApplianceError
 from appliance.health.dashboard_views import dashboard as health_dashboard
-from appliance.runtime import runtime_of
+from appliance.runtime import Runtime, runtime_of
 from appliance.status import daemon_status
 from appliance.ui.login import (
     AdminRequest,
@@ -65,12 +65,31 @@ async def dashboard(request: AdminRequest) -> Template:
     status = await daemon_status(runtime)
     board = await load_board(runtime, hour=True)
     health = health_dashboard(board.snapshot, board.mutes, board.series, board.now)
+    why = await engine_why(runtime)
     if _htmx(request):
         return Template("partials/dashboard_status.html",
-                        context={"status": status, "health": health})
+                        context={"status": status, "health": health, "engine_why": why})
     events = await runtime.db.run(lambda s: list_events(s, per_page=8))
     return Template("pages/dashboard.html", context={
-        "status": status, "health": health, "events": events.items, "nav": "dashboard"})
+        "status": status, "health": health, "events": events.items, "nav": "dashboard",
+        "engine_why": why})
+
+
+async def engine_why(runtime: Runtime) -> str:
+    """Why the engine is not serving, in one sentence ("" while it serves): the supervisor's
+    own words, and for a box waiting on its weights the pull's progress now."""
+    from appliance.engine.states import EngineState
+    from appliance.weights.views import waiting_text
+
+    status = runtime.supervisor.status
+    if status.state in (EngineState.READY, EngineState.DEGRADED):
+        return ""
+    if status.reason == "waiting_for_weights":
+        view = await runtime.weights.status()
+        text = waiting_text(view) if view.job == "pull" else status.message
+        return f"{text[:1].upper()}{text[1:]}; the engine starts by itself once they are proven."
+    message = status.message or status.state.value.replace("_", " ")
+    return f"{message[:1].upper()}{message[1:]}." if not message.endswith(".") else message
 
 
 @get("/audit", **GUARDED)

@@ -41,6 +41,7 @@ from appliance.weights.views import (
     VerifyOutcome,
     WeightsView,
     bytes_text,
+    waiting_text,
 )
 
 log = logging.getLogger("appliance.weights")
@@ -247,11 +248,20 @@ class WeightsService:
         """For preflight: fully verified once, and the quick tier passes now."""
         engine_repo = self.config.engine.model
         record = await self.db.run(active_set)
+        pulling = self._job == "pull"
         if record is None or record.repo_id != engine_repo:
+            if pulling:
+                return Verdict(None, "waiting for the weights: the pull is reading the file "
+                               "list", "the engine starts by itself once they are proven",
+                               waiting=True)
             return Verdict(None, f"no manifest of {engine_repo} is recorded, so the files "
                            "cannot be proven", "pull the weights (`appliance weights pull`), "
                            "or import a copy with its manifest (`appliance weights import DIR`)")
         if record.full_verified_at is None:
+            if pulling:
+                return Verdict(False, waiting_text(await self.status()),
+                               "the engine starts by itself once they are proven",
+                               waiting=True)
             files = await self.db.run(lambda s: records.set_files(s, record.id))
             pending = [f.path for f in files if f.state != FileState.VERIFIED]
             return Verdict(False, f"{len(pending)} of {len(files)} files of "

@@ -41,6 +41,20 @@ class Verdict:
     verified: bool | None  # None: no manifest recorded for the engine's model
     message: str
     hint: str = ""
+    # The weights are on their way (a pull runs and nothing is damaged): the normal first
+    # start of a fresh box, which waits for them instead of failing.
+    waiting: bool = False
+
+
+def waiting_text(view: WeightsView) -> str:
+    """"waiting for the weights: 3 of 96 files, 2.10 TB to go" — what the dashboard says while
+    a pull brings the weights the engine needs."""
+    if not view.files:
+        return "waiting for the weights: the pull is reading the file list"
+    proven = sum(1 for f in view.files if f.state == FileState.VERIFIED.value)
+    left = max(0, view.total_bytes - view.done_bytes)
+    return (f"waiting for the weights: {proven} of {len(view.files)} file"
+            f"{'s' if len(view.files) != 1 else ''} proven, {bytes_text(left)} to go")
 
 
 def bytes_text(n: int | float) -> str:
