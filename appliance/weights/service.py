@@ -248,7 +248,10 @@ class WeightsService:
         """For preflight: fully verified once, and the quick tier passes now."""
         engine_repo = self.config.engine.model
         record = await self.db.run(active_set)
-        pulling = self._job == "pull"
+        # A pull running here, or wished for and about to resume (the daemon starts the
+        # engine's supervisor before this service picks its job up again).
+        pulling = self._job == "pull" or (
+            await self.db.run(records.get_control)).job == "pull"
         if record is None or record.repo_id != engine_repo:
             if pulling:
                 return Verdict(None, "waiting for the weights: the pull is reading the file "
