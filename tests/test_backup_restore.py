@@ -40,7 +40,20 @@ from tests.conftest import free_port, run_cli
 
 PASSPHRASE = "a long and sturdy passphrase"
 NOW = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
-HEAD = "0008_qualification"
+
+
+def _head() -> str:
+    from alembic.config import Config as AlembicConfig
+    from alembic.script import ScriptDirectory
+
+    cfg = AlembicConfig()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    head = ScriptDirectory.from_config(cfg).get_current_head()
+    assert head is not None
+    return head
+
+
+HEAD = _head()
 
 
 def write_box(root: Path, extra: str = "") -> Path:
@@ -434,3 +447,26 @@ def test_a_short_or_exposed_passphrase_is_refused(tmp_path: Path) -> None:
     exposed.chmod(0o644)
     with pytest.raises(ApplianceError, match="readable or writable by others"):
         read_passphrase_file(exposed)
+
+
+# --- PostgreSQL: pg_dump and pg_restore ---------------------------------------------------------
+
+
+@pytest.mark.postgres
+def test_a_postgresql_box_round_trips_through_pg_dump(tmp_path: Path) -> None:
+    from tests.conftest import postgres_database
+
+    with postgres_database() as old_url, postgres_database() as new_url:
+        old = new_box(tmp_path / "old", f'[database]\nurl = "{old_url}"\n')
+        want = fill(old)
+        out = bk.create_backup(old, tmp_path / "pg.tar.gz", passphrase=PASSPHRASE, now=NOW)
+        assert out.manifest["database"] == "postgresql"
+        assert out.manifest["schema_revision"] == HEAD
+        fresh = new_box(tmp_path / "new", f'[database]\nurl = "{new_url}"\n')
+        report = restore(fresh, out.path, passphrase=PASSPHRASE,
+                         script_location=migrations_dir(), now=NOW, actor="test")
+        assert report.restored[0].startswith(f"database (postgresql, schema {HEAD})")
+        got = facts(fresh)
+        assert got["keys"] == want["keys"] and got["usage"] == want["usage"]
+        assert got["audit"] == int(str(want["audit"])) + 1
+        assert authenticates(fresh, str(want["key"]))
