@@ -88,6 +88,8 @@ def run_backup(args: argparse.Namespace, config: Config) -> int:
     with bk.recording(config.paths.state_dir, now) as done:
         result = bk.create_backup(config, out, passphrase=passphrase, now=now)
         bk.own_like(result.path, config.paths.state_dir)
+        if result.path.parent == bk.backup_dir(config):  # the daemon writes there too
+            bk.own_like(result.path.parent, config.paths.state_dir)
         done.append(result)
     _audit(config, now, result)
     secrets = ("secrets sealed with the passphrase" if passphrase is not None
