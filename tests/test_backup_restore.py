@@ -375,6 +375,22 @@ def test_a_running_daemon_is_refused(tmp_path: Path) -> None:
         held.release()
 
 
+def test_a_box_in_use_is_replaced_only_with_force(tmp_path: Path) -> None:
+    old = new_box(tmp_path / "old")
+    want = fill(old)
+    out = bk.create_backup(old, tmp_path / "box.tar", passphrase=None, now=NOW).path
+    busy = new_box(tmp_path / "busy")
+    fill(busy)
+    before = state_digest(busy)
+    with pytest.raises(ApplianceError, match="already holds 3 API keys and 25 usage records"):
+        restore(busy, out, passphrase=None, script_location=migrations_dir(), now=NOW,
+                actor="test")
+    assert state_digest(busy) == before
+    restore(busy, out, passphrase=None, script_location=migrations_dir(), now=NOW,
+            actor="test", force=True)
+    assert facts(busy)["keys"] == want["keys"]
+
+
 # --- the schedule, retention and the health check ---------------------------------------------
 
 

@@ -36,6 +36,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         description="Checks every file of the backup before changing anything, migrates an "
         "older schema, refuses a newer one, and says what it did not restore.")
     restore.add_argument("file", type=Path, help="a file `appliance backup` wrote")
+    restore.add_argument("--force", action="store_true",
+                         help="replace a database that already holds API keys or usage")
     for cmd in (backup, restore):
         how = cmd.add_mutually_exclusive_group()
         how.add_argument("--passphrase-file", type=Path, default=None,
@@ -143,7 +145,7 @@ def run_restore(args: argparse.Namespace, config: Config) -> int:
     passphrase = _passphrase(args, confirm=False) if has_secrets else None
     report = restore(config, args.file, passphrase=passphrase,
                      script_location=migrations_dir(), now=dt.datetime.now(dt.UTC),
-                     actor=_actor())
+                     actor=_actor(), force=args.force)
     print(f"appliance: restored {args.file}")
     for line in report.lines():
         print(line)

@@ -206,10 +206,35 @@ def open_secrets(opened: OpenedBackup, passphrase: str | None) -> dict[str, byte
     return files
 
 
+def in_use(config: Config) -> str | None:
+    """What the configured database already holds that a restore would discard (users' keys,
+    usage), or None for a new box's database (or none at all)."""
+    from sqlalchemy import func, select
+
+    from appliance.db.database import Database
+    from appliance.db.models import GatewayKey, UsageRequest
+
+    if config.database_url.startswith("sqlite") and not bk._sqlite_path(
+            config.database_url).exists():
+        return None
+    db = Database(config.database_url)
+    try:
+        keys, usage = db.call(lambda s: (
+            s.scalar(select(func.count()).select_from(GatewayKey)) or 0,
+            s.scalar(select(func.count()).select_from(UsageRequest)) or 0))
+    except Exception:  # not migrated yet: nothing of worth in it
+        return None
+    finally:
+        db.dispose()
+    return f"{keys} API keys and {usage} usage records" if keys or usage else None
+
+
 def restore(config: Config, path: Path, *, passphrase: str | None, script_location: Path,
-            now: dt.datetime, actor: str, check_gateway: bool = True) -> RestoreReport:
+            now: dt.datetime, actor: str, check_gateway: bool = True,
+            force: bool = False) -> RestoreReport:
     """See the module docstring. `passphrase` None: the secrets are not restored (the caller
-    decided: --no-secrets, or the backup has none)."""
+    decided: --no-secrets, or the backup has none). A database that is in use (keys, usage)
+    is replaced only with `force`."""
     from appliance.lock import InstanceLock
 
     state_dir = config.paths.state_dir
@@ -234,6 +259,13 @@ def restore(config: Config, path: Path, *, passphrase: str | None, script_locati
                     "set database.url like the old box's (see the backup's "
                     "config/appliance.toml), or restore on a box configured alike")
             secrets = open_secrets(opened, passphrase)
+            held = None if force else in_use(config)
+            if held is not None:
+                raise ApplianceError(
+                    "restore_over_data",
+                    f"this box's database already holds {held}; a restore replaces them",
+                    "take a backup of this box first (`appliance backup`), then restore with "
+                    "--force", exit_code=EX_DATAERR)
             return _apply(config, opened, revision, secrets, script_location, now, actor)
     finally:
         lock.release()
