@@ -7,10 +7,20 @@ database only as often as it must.
 
 from __future__ import annotations
 
-import httpx
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
+import httpx
+from sqlalchemy.orm import Session
+
+from appliance.config import Config
+from appliance.db.database import Database
 from tests.conftest import wait_for
 from tests.gateway_rig import LiveGateway, auth, chat_body
+from tests.test_fake_sglang import Emulator
+
+T = TypeVar("T")
 
 
 def test_health_is_503_with_the_reason_until_the_engine_is_ready(gateway: LiveGateway) -> None:
@@ -54,3 +64,44 @@ def test_health_is_503_with_the_reason_until_the_engine_is_ready(gateway: LiveGa
     gateway.publish("ready", "serving")
     gateway.wait_admitting()
     assert httpx.get(f"{gateway.url}/health", timeout=5).status_code == 200
+
+
+class CountingDatabase(Database):
+    """The database the gateway uses, counting its transactions (the seam for idle work)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.runs = 0
+
+    async def run(self, fn: Callable[[Session], T]) -> T:
+        self.runs += 1
+        return await super().run(fn)
+
+
+def test_an_idle_gateway_backs_off_and_a_request_wakes_it(config: Config, db: Database,
+                                                           gateway_engine: Emulator) -> None:
+    counting = CountingDatabase(db.url)
+    live = LiveGateway(config, counting, gateway_engine.url, idle_poll_interval=1.0,
+                       idle_after=0.3).start()  # busy: a poll every 0.1 s (the rig's)
+    try:
+        key = live.key()
+        live.publish("ready", "serving")
+        live.wait_admitting()
+        wait_for(lambda: live.parts.backed_off, "the poll to back off")
+        before = counting.runs
+        time.sleep(3.0)
+        # Busy, that would be ~30 polls; idle, one a second (none of it usage writes).
+        assert counting.runs - before <= 5
+
+        # Freshness is not lost: a state published while idle is what the next probe sees.
+        live.publish("stopped", "stopped by the operator")
+        assert httpx.get(f"{live.url}/health", timeout=5).status_code == 503
+        live.publish("ready", "serving")
+        assert httpx.get(f"{live.url}/health", timeout=5).status_code == 200
+        reply = httpx.post(f"{live.url}/v1/chat/completions", headers=auth(key),
+                           json=chat_body(max_tokens=3), timeout=30)
+        assert reply.status_code == 200
+        live.usage_rows(1)  # written once there was something to write
+    finally:
+        live.stop()
+        counting.dispose()

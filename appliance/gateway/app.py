@@ -126,6 +126,7 @@ class GatewayApp:
         READY and the gateway admits), else 503 with the reason and Retry-After that a
         request would get. From memory only: no key, no database, no engine call."""
         parts = self.parts
+        await parts.fresh(active=False)  # a probe does not keep the poll busy
         published = parts.gate.published
         admission = parts.admission
         body: dict[str, Any] = {
@@ -143,6 +144,7 @@ class GatewayApp:
     async def models(self, scope: Message, send: Send) -> None:
         """The served model, answered here (no engine needed, so clients can list models
         while the engine loads)."""
+        await self.parts.fresh()
         try:
             await self._authenticate(scope, dict(scope["headers"]), self.parts.clock.now())
         except GatewayError as err:
@@ -172,6 +174,7 @@ class GatewayApp:
         parts = self.parts
         ex = Exchange(endpoint, time.perf_counter(), parts.clock.now())
         try:
+            await parts.fresh()  # after an idle spell: keys and engine state read since
             headers = dict(scope["headers"])
             ex.key = key = await self._authenticate(scope, headers, ex.started_at)
             content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()

@@ -1,6 +1,14 @@
 """The gateway's composition root: `build_gateway(config, **overrides)` chooses every adapter
 the data plane uses (database, clock, engine URL), and `GatewayParts` starts and stops the
-background work: the half-second poll of keys and engine state, and the usage writer.
+background work: the poll of keys and engine state, and the usage writer. Admission's limit
+is set here and only here (`_apply_limit`), from what the poll learns.
+
+The poll runs every `poll_interval` (half a second) while the gateway has work, and backs off
+to `idle_poll_interval` once nothing has come for `idle_after` seconds, so an idle gateway
+costs the box almost nothing. Freshness does not suffer: the first request after an idle
+spell (a `/health` probe too) wakes the poll and waits for it (`fresh`), so it is judged on
+keys and an engine state read after it arrived, as during traffic; polls are never closer
+than `poll_interval`, however many requests wake it.
 
 Tests and the benchmark swap adapters by passing them here, never by patching imports.
 """
@@ -32,6 +40,9 @@ from appliance.gateway.usage import tokens_today
 from appliance.secrets import engine_api_key, server_secret
 
 log = logging.getLogger(__name__)
+IDLE_AFTER = 5.0  # seconds without a request before the poll backs off
+IDLE_POLL_INTERVAL = 5.0  # the idle poll: an engine state or key change seen within this
+FRESH_WAIT_MAX = 2.0  # the longest a request waits for the woken poll (a stalled database)
 
 
 @dataclass
@@ -49,8 +60,16 @@ class GatewayParts:
     upstream: Upstream
     auth_failures: AuthFailures = field(default_factory=AuthFailures)
     poll_interval: float = 0.5
+    idle_poll_interval: float = IDLE_POLL_INTERVAL
+    idle_after: float = IDLE_AFTER
     created: int = field(default_factory=lambda: int(time.time()))
     _poller: asyncio.Task[None] | None = None
+    _last_active: float = field(default=-1e9)  # monotonic, the last request's arrival
+    _polled_at: float = field(default=-1e9)  # monotonic, the start of the last good poll
+    _backed_off: bool = False  # the poll is in its idle wait
+    _wake: asyncio.Event | None = None
+    _polls: int = 0  # good polls so far
+    _polled: asyncio.Event | None = None  # set (and replaced) after each good poll
 
     async def start(self) -> None:
         await self.upstream.start()
@@ -79,18 +98,83 @@ class GatewayParts:
             self.keys.refresh_in(session)
             return read_published(session)
 
+        started = asyncio.get_running_loop().time()
         ticket = self.keys.poll_started()
         try:
             published = await self.db.run(read)
         finally:
             self.keys.poll_done(ticket)  # failing keys wait for this (keycache)
-        if await self.gate.refresh(published) and self.gate.limit:
+        if await self.gate.refresh(published):
+            self._apply_limit()
+        self._polled_at = started
+        self._polls += 1
+        if self._polled is not None:
+            self._polled.set()
+            self._polled = None
+
+    def _apply_limit(self) -> None:
+        """The one place admission's limit is set: the engine's capacity as the gate learned
+        it (or the operator's override)."""
+        if self.gate.limit:
             self.admission.set_limit(self.gate.limit)
             log.info("admitting up to %d requests at once", self.gate.limit)
 
+    @property
+    def backed_off(self) -> bool:
+        """Whether the poll is in its idle wait now."""
+        return self._backed_off
+
+    @property
+    def idle(self) -> bool:
+        """Nothing admitted, nothing queued, and no request for `idle_after` seconds."""
+        quiet = asyncio.get_running_loop().time() - self._last_active >= self.idle_after
+        return quiet and not self.admission.in_use and not self.admission.waiting
+
+    async def fresh(self, *, active: bool = True) -> None:
+        """Called as a request arrives (`active=False` for a health probe, which does not
+        keep the poll busy). While the poll has backed off, wake it, and when its last read
+        is older than `poll_interval` wait for the next one (at most FRESH_WAIT_MAX)."""
+        loop = asyncio.get_running_loop()
+        if active:
+            self._last_active = loop.time()
+        if not self._backed_off:
+            return
+        if self._wake is not None:
+            self._wake.set()
+        if loop.time() - self._polled_at < self.poll_interval:
+            return
+        target = self._polls + 1
+        deadline = loop.time() + FRESH_WAIT_MAX
+        while self._polls < target:  # a failed poll does not count; the deadline bounds it
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            if self._polled is None:
+                self._polled = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._polled.wait(), remaining)
+
+    async def _pause(self) -> None:
+        """Until the next poll: `poll_interval` at least, up to `idle_poll_interval` while
+        idle unless a request wakes it."""
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await asyncio.sleep(self.poll_interval)
+        remaining = began + self.idle_poll_interval - loop.time()
+        if remaining <= 0 or not self.idle:
+            return
+        self._wake = asyncio.Event()
+        self._backed_off = True
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), remaining)
+        finally:
+            self._backed_off = False
+            self._wake = None
+
     async def _poll(self) -> None:
         while True:
-            await asyncio.sleep(self.poll_interval)
+            await self._pause()
             try:
                 await self.poll_once()
             except Exception as exc:  # a database hiccup must not end the poll
@@ -99,6 +183,8 @@ class GatewayParts:
 
 def build_gateway(config: Config, *, clock: Clock | None = None, db: Database | None = None,
                   engine_url: str | None = None, poll_interval: float = 0.5,
+                  idle_poll_interval: float = IDLE_POLL_INTERVAL,
+                  idle_after: float = IDLE_AFTER,
                   auth_failures: AuthFailures | None = None) -> GatewayParts:
     clock = clock or SystemClock()
     db = db or Database(config.database_url)
@@ -113,4 +199,5 @@ def build_gateway(config: Config, *, clock: Clock | None = None, db: Database | 
         admission=Admission(gateway.max_concurrency or FALLBACK_LIMIT, gateway.queue_max),
         limiter=KeyLimiter(), recorder=Recorder(db, clock, gateway.usage_retention_days),
         metrics=GatewayMetrics(), history=HistoryTracker(), upstream=upstream,
-        auth_failures=auth_failures or AuthFailures(), poll_interval=poll_interval)
+        auth_failures=auth_failures or AuthFailures(), poll_interval=poll_interval,
+        idle_poll_interval=idle_poll_interval, idle_after=idle_after)

@@ -1,11 +1,14 @@
 """Usage written in batches, off the request path.
 
-A finished request appends one `UsageRecord` to a list in memory; once a second the list is
-written in one transaction (`usage.write_batch`, with the roll-ups) on a worker thread, with
+A finished request appends one `UsageRecord` to a list in memory; a second after the first
+record of a batch (so at most once a second) the list is written in one transaction
+(`usage.write_batch`, with the roll-ups) on a worker thread, with
 the keys' last-use times. If the database is unreachable the records wait, up to
 `MAX_PENDING`, and the oldest are dropped beyond that (logged with the count), so a broken
 database never grows the gateway without bound. Stopping the gateway writes what is left.
-Old per-request rows are pruned once an hour (`gateway.usage_retention_days`).
+Old per-request rows are pruned once an hour (`gateway.usage_retention_days`). With nothing
+to write the writer sleeps until a record comes (or the hourly prune is due): an idle gateway
+does no periodic work here.
 """
 
 from __future__ import annotations
@@ -42,9 +45,12 @@ class Recorder:
         self._touch: dict[int, dt.datetime] = {}
         self._task: asyncio.Task[None] | None = None
         self._last_prune = -PRUNE_EVERY
+        self._work: asyncio.Event | None = None  # set when there is something to write
 
     def add(self, record: UsageRecord) -> None:
         self.pending.append(record)
+        if self._work is not None:
+            self._work.set()
         if len(self.pending) > MAX_PENDING:
             excess = len(self.pending) - MAX_PENDING
             del self.pending[:excess]
@@ -56,6 +62,9 @@ class Recorder:
                 self._touched[key] = self._touch[key] = record.ended_at
 
     def start(self) -> None:
+        self._work = asyncio.Event()
+        if self.pending or self._touch:
+            self._work.set()
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
@@ -66,9 +75,17 @@ class Recorder:
         await self.flush()
 
     async def _loop(self) -> None:
+        assert self._work is not None
         while True:
-            await asyncio.sleep(self.interval)
-            await self.flush()
+            prune_in = self._last_prune + PRUNE_EVERY - self.clock.monotonic()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._work.wait(), max(0.0, prune_in))
+            if self._work.is_set():
+                await asyncio.sleep(self.interval)  # gather a second's records into one write
+                self._work.clear()
+                await self.flush()
+                if self.pending or self._touch:
+                    self._work.set()  # the write failed: try again in a second
             if self.clock.monotonic() - self._last_prune >= PRUNE_EVERY:
                 self._last_prune = self.clock.monotonic()
                 with contextlib.suppress(Exception):
