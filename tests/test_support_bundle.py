@@ -30,7 +30,7 @@ from appliance.db.schema import migrate
 from appliance.engine.records import open_run, update_run
 from appliance.gateway.keys import create_key
 from appliance.ops.bundle import FILE_CAP, LOG_LINES, build, parse_since
-from appliance.ops.redact import SECRET_KEYS, Redactor, for_box
+from appliance.ops.redact import Redactor, for_box, secret_keys
 from appliance.resources import migrations_dir
 from appliance.runtime import Runtime
 from appliance.secrets import engine_api_key, server_secret
@@ -219,11 +219,23 @@ def test_database_password_is_redacted_even_when_the_database_is_down(tmp_path: 
     assert password not in bundle.audit_error
 
 
-def test_redaction_table_knows_every_masked_config_key() -> None:
-    """The secret keys the redactor reads by value are exactly those `describe()` masks."""
+def test_every_value_the_settings_page_masks_is_redacted_by_value(tmp_path: Path) -> None:
+    """What `describe()` hides (database.url, weights.token, health.webhook_url …) the
+    redactor removes wherever it appears, whatever its shape."""
+    url = "postgresql://app:Zq9-plain-word@db.lan/appliance"
+    path = _write_config(tmp_path, database={"url": url},
+                         weights={"token": "plainwordtoken"})
+    config = load_config(path, env={})
     masked = {f"{name}.{f.name}" for name, section in SECTIONS.items()
-              for f in dataclasses.fields(section) if f.metadata.get("show") is not None}
-    assert masked == set(SECRET_KEYS)
+              for f in dataclasses.fields(section) if f.metadata.get("show") is not None
+              and f.type in (str, "str")}
+    assert {"database.url", "weights.token", "health.webhook_url"} <= masked
+    assert {k for k, _ in secret_keys(config)} == {"database.url", "weights.token",
+                                                   "health.webhook_url"}
+    redact = for_box(config)
+    text = redact(f"a {url} b plainwordtoken c Zq9-plain-word d {WEBHOOK}")
+    for value in (url, "plainwordtoken", "Zq9-plain-word", "PlantedWebhookSecret99"):
+        assert value not in text
 
 
 def test_patterns_redact_credentials_and_prompts_by_shape() -> None:

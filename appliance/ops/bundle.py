@@ -236,7 +236,7 @@ def default_name(now: dt.datetime) -> str:
 
 def readme(config: Config, ctx: Context, parts: Sequence[Part], skipped: Sequence[Skipped],
            redactor: Redactor, actor: str) -> str:
-    from appliance.ops.redact import PATTERNS, SECRET_KEYS
+    from appliance.ops.redact import PATTERNS, secret_files, secret_keys
 
     width = max([len(p.path) for p in parts] + [len("README.txt")])
     lines = [
@@ -262,8 +262,10 @@ def readme(config: Config, ctx: Context, parts: Sequence[Part], skipped: Sequenc
         "Redaction",
         "---------",
         "Every file above was redacted before it was written. A removed value reads",
-        "[redacted: <what>]. Removed by value: server.key, engine-api.key, and the",
-        f"configuration's secrets ({', '.join(SECRET_KEYS)}, weights.token_file's token).",
+        "[redacted: <what>]. Removed by value: server.key, engine-api.key, the",
+        "configuration's secret values (" + (", ".join(k for k, _ in secret_keys(config))
+                                             or "none set") + ") and the contents of its",
+        "secret files (" + (", ".join(k for k, _ in secret_files(config)) or "none set") + ").",
         "Removed by pattern: " + ", ".join(sorted({p.label for p in PATTERNS})) + ".",
         "Not included at all: password hashes, session and token tables, API key hashes,",
         "request bodies; gateway counters are aggregates, without keys or prompts.",

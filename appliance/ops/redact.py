@@ -4,8 +4,9 @@ recognised.
 Two kinds of rule, applied to every text file before it enters an archive:
 
 - **By value**: the secrets this box holds — the HMAC key (`secrets/server.key`), the engine's
-  API key (`secrets/engine-api.key`), and every configuration key whose value is a secret
-  (`SECRET_KEYS`: the database password, the Hub token and its file, the alert webhook URL).
+  API key (`secrets/engine-api.key`), every configuration value `describe()` masks with
+  `show=` (`secret_keys()`: the database URL, the Hub token, the alert webhook URL …), and the
+  contents of every configured secret file (`secret_files()`: `weights.token_file` …).
   Values are replaced wherever they appear, whatever the surrounding format.
 - **By pattern** (`PATTERNS`): credentials and user content of known shapes, wherever they came
   from — gateway keys (`sk-…`), admin API tokens (`apt_…`), Hub tokens (`hf_…`), bearer and
@@ -22,17 +23,15 @@ itself never logs prompts, and SGLang only does with `--log-requests`, whose lin
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance.config import Config
+from appliance.config import SECTIONS, Config
 
-# Configuration keys whose value is a secret: the same ones `describe()` masks with `show=`
-# (tests/test_support_bundle.py keeps the two in step), plus the file a token may come from.
-SECRET_KEYS = ("database.url", "weights.token", "health.webhook_url")
 MIN_VALUE_LENGTH = 4  # shorter "secrets" would redact ordinary words everywhere
 
 _QUOTED = r"\"(?:[^\"\\]|\\.)*\"|'(?:[^'\\]|\\.)*'"
@@ -119,6 +118,33 @@ class Redactor:
         return [f"{count} x {label}" for label, count in self.counts.most_common()]
 
 
+def secret_keys(config: Config) -> list[tuple[str, str]]:
+    """(dotted key, raw value) of every string setting `describe()` masks (its `show=`
+    changes the value): whatever the Settings page hides, a bundle hides too."""
+    found = []
+    for name in SECTIONS:
+        section = getattr(config, name)
+        for item in dataclasses.fields(section):
+            value = getattr(section, item.name)
+            show = item.metadata.get("show")
+            if show is not None and isinstance(value, str) and value and show(value) != value:
+                found.append((f"{name}.{item.name}", value))
+    return found
+
+
+def secret_files(config: Config) -> list[tuple[str, Path]]:
+    """(dotted key, path) of every configured file that holds a secret or a token."""
+    found = []
+    for name in SECTIONS:
+        section = getattr(config, name)
+        for item in dataclasses.fields(section):
+            value = getattr(section, item.name)
+            if (isinstance(value, Path) and item.name.endswith("_file")
+                    and ("secret" in item.name or "token" in item.name)):
+                found.append((f"{name}.{item.name}", value))
+    return found
+
+
 def _read(path: Path) -> str | None:
     try:
         return path.read_text(errors="replace").strip()
@@ -141,8 +167,8 @@ def for_box(config: Config, extra: Iterable[tuple[str, str]] = ()) -> Redactor:
     redactor.add(_read(secrets_dir / "server.key"), "server secret")
     redactor.add(_read(secrets_dir / "engine-api.key"), "engine API key")
     redactor.add(config.weights.token, "Hub token")
-    if config.weights.token_file is not None:
-        redactor.add(_read(config.weights.token_file), "Hub token")
+    for key, path in secret_files(config):
+        redactor.add(_read(path), key)
     url = config.database.url
     if url:
         redactor.add(url, "database URL")
@@ -165,6 +191,8 @@ def for_box(config: Config, extra: Iterable[tuple[str, str]] = ()) -> Redactor:
             redactor.add(parts.password, "webhook URL")
         except ValueError:
             pass
+    for key, value in secret_keys(config):  # after the labelled ones above: theirs win
+        redactor.add(value, key)
     for value, label in extra:
         redactor.add(value, label)
     return redactor
