@@ -40,7 +40,9 @@ from appliance.tuning.calculator import (
     CalculatorError,
     Launch,
     Sizing,
+    draft_pricing,
     kv_bytes_per_row,
+    layer_scaled_cell,
     mm_reservation_bytes,
     ratio_curve,
     resolve_ssm_dtype,
@@ -193,6 +195,32 @@ def test_k3_dspark_with_replayssm() -> None:
         (852_747_264, 24_255_922_176, 9_119_658_240, 7_873_265_664, 9_331_277_824, 0)
 
 
+def test_a_dspark_draft_without_its_config_is_priced_by_layer_count() -> None:
+    """SGLang's fallback when the draft's KV bytes cannot be resolved
+    (srt/mem_cache/draft_kv_budget.py:49-56 returns None, so pool_configurator.py:316-338
+    calls `scale_kv_cell_size_per_token_for_dflash` without a draft cell,
+    dflash_utils.py:137-175): the target's cell scaled by (target layers + draft layers x
+    attn_dcp_size) / target layers, rounded up.
+
+    K3 fp8 TP8/DCP8, 8 draft layers: ceil(13,824 x (24 + 64) / 24) = 50,688 B a row, of which
+    36,864 is the draft's (the exact price from its config is 16,384).
+    """
+    launch = Launch(speculative="dspark", draft_layers=8)
+    assert kv_bytes_per_row(K3, launch) == 50_688
+    assert layer_scaled_cell(1_000, 24, 8) == 1_334  # ceil(1,000 x 32 / 24): SGLang rounds up
+    assert layer_scaled_cell(13_824, 24, 0) == 13_824
+    sizing = size_pools(K3, launch, 48 * GIB, 2)
+    assert sizing.draft_kv_bytes == sizing.mla_rows_per_rank * 36_864
+    assert sizing.kv_bytes == sizing.mla_rows_per_rank * 13_824
+    # The draft's config wins when there is one; the pricing is named either way.
+    assert kv_bytes_per_row(K3, replace(launch, draft=DRAFT)) == 30_208
+    assert "target cell x (target layers + 8 draft layers x DCP 8)" in str(
+        draft_pricing(launch))
+    assert str(draft_pricing(replace(launch, draft=DRAFT))).startswith(
+        "draft KV priced from the draft's config")
+    assert draft_pricing(Launch()) is None
+
+
 def test_k3_dspark_without_replayssm_reserves_the_draft_snapshots() -> None:
     """The same launch without ReplaySSM: the joint solve with intermediate_ssm (l.3355-3380),
     D = 8 draft tokens, 5 slots per request:
@@ -317,7 +345,9 @@ def test_without_radix_cache_a_request_is_one_slot() -> None:
     (Launch(tp=5, dcp=5), SAMPLE_BUDGET, 0.5, "num_heads (96) is not divisible by --tp 5"),
     (Launch(tp=64, dcp=8), SAMPLE_BUDGET, 0.5, "num_heads (96) is not divisible by --tp 64"),
     (Launch(tp=8, dcp=3), SAMPLE_BUDGET, 0.5, "--dcp 3 must divide --tp 8"),
-    (Launch(speculative="dspark"), SAMPLE_BUDGET, 0.5, "none was given"),
+    (Launch(speculative="dspark"), SAMPLE_BUDGET, 0.5, "neither was given"),
+    (Launch(speculative="dspark", draft_layers=0), SAMPLE_BUDGET, 0.5,
+     "--draft-layers 0 must be at least 1"),
     (Launch(kv_dtype="nvfp4"), SAMPLE_BUDGET, 0.5, "fp4 KV is not modelled"),
 ])
 def test_refusals_use_sglangs_words(launch: Launch, budget: int, ratio: float,

@@ -14,6 +14,7 @@ DATA = Path(__file__).parent / "data"
 K3 = DATA / "tuning" / "kimi-k3.config.json"
 DRAFT = DATA / "tuning" / "k3-dspark-draft.config.json"
 LOG = DATA / "engine_logs" / "k3_startup.sample.log"
+DSPARK_LOG = DATA / "engine_logs" / "dspark_startup.log"
 
 
 @pytest.fixture
@@ -39,6 +40,39 @@ def test_predict_from_the_sample_log_reproduces_its_numbers(box: Path) -> None:
         assert any(line[0] in row and row.endswith(line[1]) for row in out.splitlines())
     assert "measured from" in out
     assert not (box.parent / "box" / "state" / "appliance.db").exists()
+
+
+def test_predict_dspark_without_the_drafts_config_prices_it_as_sglang_does(box: Path) -> None:
+    """The DSPARK startup log, no --draft-config: the draft's KV is priced the way SGLang
+    prices it when it cannot resolve the draft's geometry (draft_kv_budget.py:49-56, then
+    dflash_utils.py:137-175): ceil(13,824 x (24 + 8 layers x DCP 8) / 24) = 50,688 B a row,
+    and the output says so.
+
+    From the log's budget (42.54 GiB, 45,682,238,527 B) at ratio 5, 48 requests, 8 draft
+    tokens: rest 45,577,380,927 B (less 100 MiB); K = int((37,981,150,772 - 9 x 56,171,520)
+    // (56,171,520 x 2.6)) = 256; the snapshots take 56,171,520 x 49 x 8 = 22,019,235,840 B;
+    left 45,577,380,927 - 22,019,235,840 - 257 x 56,171,520 = 9,122,064,447 B; rows
+    9,122,064,447 // 50,688 = 179,965 -> 179,904. (The log itself prints 66 slots and 65,984
+    rows, which no KV pricing reaches at its own budget: 66 slots alone need a pool budget of
+    about 11.4 GiB, not 42.54.)
+    """
+    code, out, err = predict(box, "--model-config", str(K3), "--from-log", str(DSPARK_LOG))
+    assert code == 0, err
+    assert ("draft KV priced as SGLang does without the draft's config: target cell x "
+            "(target layers + 8 draft layers x DCP 8) / target layers") in out
+    assert "state slots (max_mamba_cache_size)      256" in out
+    assert "KV rows per GPU (max_total_num_tokens)  179,904" in out
+    code, out, err = predict(box, "--model-config", str(K3), "--from-log", str(DSPARK_LOG),
+                             "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["sizing"]["kv_bytes_per_row"] == 50_688
+    assert data["launch"]["draft_layers"] == 8 and data["launch"]["draft"] is None
+    assert data["draft_pricing"].startswith("draft KV priced as SGLang does without")
+    code, out, err = predict(box, "--model-config", str(K3), "--from-log", str(DSPARK_LOG),
+                             "--draft-config", str(DRAFT))
+    assert code == 0, err
+    assert "draft KV priced from the draft's config (8 layers, 1 KV head x 128+128)" in out
 
 
 def test_predict_json_has_every_figure(box: Path) -> None:
@@ -99,8 +133,8 @@ def test_flags_left_out_come_from_the_configuration(box: Path) -> None:
      "is not a positive number"),
     (["--model-config", str(K3), "--budget-gib", "50", "--tp", "7", "--dcp", "7"], 64,
      "linear_attn_config.num_heads (96) is not divisible by --tp 7"),
-    (["--model-config", str(K3), "--budget-gib", "50", "--spec", "dspark"], 64,
-     "pass the draft's config.json (--draft-config)"),
+    (["--model-config", str(K3), "--budget-gib", "50", "--spec", "dspark", "--draft-layers",
+      "0"], 64, "--draft-layers 0 must be at least 1"),
     (["--model-config", str(K3)], 64, "no budget: the engine has not started on this box yet"),
     (["--model-config", str(K3), "--budget-gib", "0"], 64, "--budget-gib 0.0 is not a positive"),
     (["--model-config", str(K3), "--from-log", "/nonexistent.log"], 64,

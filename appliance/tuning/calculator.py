@@ -16,7 +16,8 @@ the source step by step (paths relative to the `sglang` package):
    the per-draft-token snapshots (`intermediate_ssm`) and charges them too.
 3. `DefaultPoolConfigurator` (`srt/model_executor/pool_configurator.py:219-655`): what is left
    buys `rows = left // cell // page_size * page_size` KV rows per GPU, `cell` being the
-   full-attention bytes per row (+ a DSPARK draft's dense K/V for `dcp` tokens, l.316-338).
+   full-attention bytes per row (+ a DSPARK draft's dense K/V for `dcp` tokens, l.316-338;
+   without the draft's geometry, SGLang's layer-count scaling of the target's cell instead).
 4. `resolve_max_num_reqs` (kv_cache_configurator.py:3119-3172): running requests are capped by
    `rows // 2` and by `K // slots_per_request`.
 
@@ -66,7 +67,9 @@ class Launch:
     follows `kv_dtype`; `mamba_strategy` is what `--mamba-radix-cache-strategy auto` resolves to
     for these models on the triton linear-attention backend (overrides.py:452-486);
     `context_length` None uses the model's. `mem_fraction_static` is not used by `size_pools`
-    (it is inside the budget) but travels with the launch for budget estimates.
+    (it is inside the budget) but travels with the launch for budget estimates. A DSPARK
+    launch prices its draft's KV from `draft` (exact) or, without it, from `draft_layers` (the
+    fallback SGLang uses when the draft's geometry cannot be resolved, `draft_pricing`).
     """
 
     tp: int = 8
@@ -76,6 +79,7 @@ class Launch:
     conv_dtype: str = "bfloat16"
     speculative: str = "none"
     draft: DraftGeometry | None = None
+    draft_layers: int | None = None  # DSPARK without `draft`: price its KV by layer count
     draft_tokens: int = 8
     replayssm: bool = False
     replayssm_cache_len: int = 16
@@ -222,20 +226,58 @@ def kv_bytes_per_row(geometry: Geometry, launch: Launch) -> int:
 
 
 def draft_cell_per_row(geometry: Geometry, launch: Launch) -> int:
-    """The DSPARK draft's share of a KV row (`_dflash_draft_cell_size` * attn_dcp_size,
-    dflash_utils.py:121-134): `max(1, kv_heads // tp) * (head_dim + v_head_dim) * layers *
-    dtype`, replicated on every rank for each of the `dcp` tokens of a row; 0 without one."""
+    """The DSPARK draft's share of a KV row; 0 without one.
+
+    With the draft's geometry, SGLang's exact price (`_dflash_draft_cell_size` *
+    attn_dcp_size, dflash_utils.py:121-134): `max(1, kv_heads // tp) * (head_dim + v_head_dim)
+    * layers * dtype`, replicated on every rank for each of the `dcp` tokens of a row.
+    Without it, the fallback `resolve_dflash_draft_cell_size` leaves callers on when it cannot
+    resolve the draft (srt/mem_cache/draft_kv_budget.py:50-56): the target's cell scaled by
+    layer count (`layer_scaled_cell`)."""
     _check_launch(geometry, launch)
     if launch.speculative == "none":
         return 0
     draft = launch.draft
     if draft is None:
-        raise CalculatorError("DSPARK prices its draft's KV from the draft's config, and none "
-                              "was given", "pass the draft's config.json (--draft-config), "
-                              "usually <model>/dspark/config.json", exit_code=EX_USAGE)
+        if launch.draft_layers is None:
+            raise CalculatorError(
+                "DSPARK prices its draft's KV from the draft's config or, without it, from the "
+                "draft's layer count, and neither was given",
+                "pass the draft's config.json (--draft-config), usually "
+                "<model>/dspark/config.json, or its layer count (--draft-layers)",
+                exit_code=EX_USAGE)
+        target = _target_cell(geometry, launch)
+        return layer_scaled_cell(target, geometry.full_layers,
+                                 launch.draft_layers * launch.dcp) - target
     dtype = KV_DTYPES[launch.draft_kv_dtype or launch.kv_dtype]
     heads = max(1, draft.kv_heads // launch.tp)
     return heads * (draft.head_dim + draft.v_head_dim) * draft.layers * dtype * launch.dcp
+
+
+def layer_scaled_cell(target_cell: int, target_layers: int, draft_layers: int) -> int:
+    """Target + draft bytes per row when the draft's geometry is unknown, exactly as SGLang:
+    `ceil(target_cell * (target_layers + draft_layers) / target_layers)`
+    (`scale_kv_cell_size_per_token_for_dflash`, srt/speculative/dflash_utils.py:137-175, with
+    no draft cell), where the caller passes the draft's layers times attn_dcp_size and the
+    target's full-attention layers on this stage
+    (srt/model_executor/pool_configurator.py:225-239, 316-338)."""
+    if target_layers <= 0 or draft_layers <= 0:
+        return target_cell
+    return (target_cell * (target_layers + draft_layers) + target_layers - 1) // target_layers
+
+
+def draft_pricing(launch: Launch) -> str | None:
+    """How the draft's KV was priced, in words (None without speculative decoding)."""
+    if launch.speculative == "none":
+        return None
+    if launch.draft is not None:
+        draft = launch.draft
+        heads = f"{draft.kv_heads} KV head" + ("" if draft.kv_heads == 1 else "s")
+        return (f"draft KV priced from the draft's config ({draft.layers} layers, {heads} x "
+                f"{draft.head_dim}+{draft.v_head_dim})")
+    return ("draft KV priced as SGLang does without the draft's config: target cell x "
+            f"(target layers + {launch.draft_layers} draft layers x DCP {launch.dcp}) / "
+            "target layers")
 
 
 def size_pools(geometry: Geometry, launch: Launch, budget_bytes: int, ratio: float) -> Sizing:
@@ -401,6 +443,8 @@ def _check_launch(geometry: Geometry, launch: Launch) -> None:
         (launch.page_size >= 1, f"--page-size {launch.page_size} must be at least 1"),
         (launch.draft_tokens >= 2, f"draft tokens {launch.draft_tokens} must be at least 2 "
          "(gamma + 1)"),
+        (launch.draft_layers is None or launch.draft_layers >= 1,
+         f"--draft-layers {launch.draft_layers} must be at least 1"),
         (launch.replayssm_cache_len >= 1,
          f"--replayssm-cache-len {launch.replayssm_cache_len} must be at least 1"),
         (launch.max_running_requests is None or launch.max_running_requests >= 1,

@@ -32,6 +32,7 @@ from appliance.tuning.calculator import (
     STATE_DTYPES,
     Launch,
     Sizing,
+    draft_pricing,
     resolve_ssm_dtype,
     size_pools,
 )
@@ -40,6 +41,9 @@ from appliance.tuning.geometry import Geometry, load_draft, load_geometry
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Handler = Callable[[argparse.Namespace, Config], int]
 DEFAULT_DRAFT_TOKENS = 8  # DSPARK's default gamma 7 (dspark_config.py:21) + 1
+# Kimi K3's DSPARK draft (its config.json's num_hidden_layers): the layer count the draft's KV
+# is priced by when its config is not at hand (`calculator.layer_scaled_cell`).
+DEFAULT_DRAFT_LAYERS = 8
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -80,6 +84,9 @@ def add_sizing_arguments(cmd: argparse.ArgumentParser) -> None:
                      help="speculative decoding (default: dspark when engine.speculative)")
     cmd.add_argument("--draft-config", type=Path,
                      help="the DSPARK draft's config.json (default <model>/dspark/config.json)")
+    cmd.add_argument("--draft-layers", type=int,
+                     help="without the draft's config: its layer count, to price its KV as "
+                          f"SGLang does then (default {DEFAULT_DRAFT_LAYERS}, K3's DSPARK draft)")
     cmd.add_argument("--draft-tokens", type=int,
                      help="--speculative-num-draft-tokens (default: the draft's gamma + 1, "
                           "else 8)")
@@ -136,6 +143,9 @@ def launch_from_args(args: argparse.Namespace, config: Config, geometry: Geometr
         ssm_dtype=resolve_ssm_dtype(geometry, pick(args.ssm_dtype, "ssm_dtype", None),
                                     replayssm=replayssm),
         speculative=spec, draft=draft,
+        # No draft config: SGLang's own fallback prices the draft's KV by its layer count.
+        draft_layers=(DEFAULT_DRAFT_LAYERS if args.draft_layers is None else args.draft_layers)
+        if spec != "none" and draft is None else None,
         draft_tokens=pick(args.draft_tokens, "draft_tokens",
                           gamma_tokens or DEFAULT_DRAFT_TOKENS),
         replayssm=replayssm,
@@ -237,7 +247,8 @@ def predict(args: argparse.Namespace, config: Config) -> int:
     if args.json:
         print(json.dumps({"model_config": str(path), "geometry": geometry.to_dict(),
                           "launch": asdict(launch), "budget": budget.to_dict(),
-                          "sizing": sizing.to_dict()}, indent=2))
+                          "sizing": sizing.to_dict(),
+                          "draft_pricing": draft_pricing(launch)}, indent=2))
     else:
         print(render(geometry, launch, budget, sizing))
     return 0
@@ -267,7 +278,8 @@ def render(geometry: Geometry, launch: Launch, budget: Budget, sizing: Sizing) -
         f"{geometry.model_type}: {geometry.linear_layers} {kind} + {geometry.full_layers} "
         f"{attention} layers; TP{launch.tp} DCP{launch.dcp}, KV {launch.kv_dtype}, SSM "
         f"{launch.ssm_dtype}{spec}; --mamba-full-memory-ratio {sizing.ratio:g}",
-        f"budget: {budget.gib:.2f} GiB per GPU ({budget.detail})", "",
+        f"budget: {budget.gib:.2f} GiB per GPU ({budget.detail})",
+        *([f"{pricing}"] if (pricing := draft_pricing(launch)) else []), "",
         *(f"  {label:<{width}}  {value}" for label, value in rows), "",
         f"  {'pool':<{width}}  GiB per GPU",
         *(f"  {label:<{width}}  {data[key]:.2f}" for label, key in pools
