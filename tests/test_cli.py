@@ -132,7 +132,7 @@ def test_a_broken_pipe_that_is_not_stdout_still_fails(monkeypatch: pytest.Monkey
     from appliance import cli
     from appliance.engine import cli as engine_cli
 
-    def upstream_gone(path: Path, *, as_json: bool) -> int:
+    def upstream_gone(path: Path, *, as_json: bool, run: int | str = "latest") -> int:
         raise BrokenPipeError(32, "Broken pipe")
 
     monkeypatch.setattr(engine_cli, "parse_log", upstream_gone)
