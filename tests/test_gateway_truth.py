@@ -7,17 +7,28 @@ database only as often as it must.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import httpx
+import pytest
 from sqlalchemy.orm import Session
 
 from appliance.config import Config
 from appliance.db.database import Database
+from appliance.gateway.admission import Admission, QueueTimeout, estimate_prompt_tokens
+from appliance.gateway.parts import free_kv_tokens
 from tests.conftest import wait_for
-from tests.gateway_rig import LiveGateway, auth, chat_body
+from tests.gateway_rig import (
+    LiveGateway,
+    auth,
+    chat_body,
+    emulator_stats,
+    start_engine,
+    stop_engine,
+)
 from tests.test_fake_sglang import Emulator
 
 T = TypeVar("T")
@@ -105,3 +116,94 @@ def test_an_idle_gateway_backs_off_and_a_request_wakes_it(config: Config, db: Da
     finally:
         live.stop()
         counting.dispose()
+
+
+def test_a_prompt_larger_than_its_kv_share_waits_in_turn() -> None:
+    async def scenario() -> None:
+        admission = Admission(limit=4, queue_max=10)
+        admission.set_kv_free(1000)
+        assert admission.try_acquire(1, 100)  # 1000 free over 4 slots
+        assert admission.kv_free == 900 and admission.kv_share() == 300
+        assert not admission.try_acquire(1, 400)  # over its share: not sent in
+        order: list[str] = []
+
+        async def wait(name: str, key: int, tokens: int, timeout: float = 10) -> None:
+            await admission.acquire(key, 1, timeout, tokens)
+            order.append(name)
+
+        big = asyncio.create_task(wait("big", 2, 400))
+        await asyncio.sleep(0)
+        small = asyncio.create_task(wait("small", 3, 10))  # nobody jumps the queue
+        await asyncio.sleep(0)
+        assert admission.waiting == 2 and order == []
+        admission.set_kv_free(1500)  # the engine freed KV: 500 a slot now
+        await asyncio.gather(big, small)
+        assert order == ["big", "small"] and admission.in_use == 3
+
+        with pytest.raises(QueueTimeout):  # bounded by the queue timeout, as ever
+            await wait("huge", 4, 5000, timeout=0.05)
+        assert admission.waiting == 0
+        huge = asyncio.create_task(wait("huge", 4, 5000))
+        await asyncio.sleep(0)
+        for _ in range(3):
+            admission.release()
+        await huge  # alone, any size runs: it waits for room, never forever
+        assert order[-1] == "huge" and admission.in_use == 1
+
+    asyncio.run(scenario())
+
+
+def test_free_kv_tokens_from_the_engines_load_report() -> None:
+    loads = {"loads": [{"max_total_num_tokens": 1000, "num_used_tokens": 250},
+                       {"max_total_num_tokens": 1000, "num_used_tokens": 1200}]}
+    assert free_kv_tokens(loads) == 750
+    assert free_kv_tokens({"loads": []}) is None
+    assert free_kv_tokens({"loads": [{"num_used_tokens": 1}]}) is None
+    assert free_kv_tokens(None) is None
+    assert estimate_prompt_tokens(b"x" * 4000) == 1000
+
+
+def test_the_gateway_holds_a_prompt_the_engines_kv_pool_cannot_take(
+        config: Config, db: Database, tmp_path_factory: pytest.TempPathFactory) -> None:
+    engine = start_engine(tmp_path_factory, "--max-total-tokens", "1200", token_seconds=0.05)
+    live = LiveGateway(config, db, engine.url).start()
+    try:
+        live.publish("ready", "serving")
+        live.wait_admitting()
+        key = live.key()
+        filler = " ".join(["word"] * 200)  # ~200 tokens each in the engine
+
+        async def scenario() -> list[int]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                def send(content: str, max_tokens: int) -> Awaitable[httpx.Response]:
+                    return client.post(f"{live.url}/v1/chat/completions", headers=auth(key),
+                                       json=chat_body(content, max_tokens=max_tokens))
+
+                fillers = [asyncio.ensure_future(send(f"{i} {filler}", 60)) for i in range(3)]
+                parts = live.parts
+                for _ in range(600):  # the three run, and the gateway read the pool since
+                    if emulator_stats(engine)["running"] == 3:
+                        break
+                    await asyncio.sleep(0.05)
+                seen = parts.kv_readings
+                for _ in range(600):
+                    if parts.kv_readings >= seen + 2:
+                        break
+                    await asyncio.sleep(0.05)
+                assert parts.admission.limit == 4  # a slot is free: only KV can hold it
+                share = parts.admission.kv_share()
+                assert share is not None and share < 700, share
+                big = asyncio.ensure_future(send(" ".join(["word"] * 700), 5))  # ~900 est.
+                for _ in range(600):  # it waits in the gateway's queue, not in the engine
+                    if parts.admission.waiting == 1 or big.done():
+                        break
+                    await asyncio.sleep(0.05)
+                assert not big.done() and parts.admission.waiting == 1
+                assert emulator_stats(engine)["running"] <= 3
+                replies = await asyncio.gather(*fillers, big)
+                return [r.status_code for r in replies]
+
+        assert asyncio.run(scenario()) == [200] * 4
+    finally:
+        live.stop()
+        stop_engine(engine)

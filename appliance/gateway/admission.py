@@ -9,6 +9,16 @@ at most `queue_max` requests over all keys (`QueueFull` beyond), and a request w
 its timeout (`QueueTimeout`). A waiter that is cancelled (its client went away) leaves the
 queue at once, and a slot granted to it in the same instant is handed back.
 
+Requests are also weighed by size against the engine's KV pool, once the gateway knows how
+much of it is free (`set_kv_free`, fed by the poll while there is work; None: unknown, not
+weighed). A request whose estimated prompt (`estimate_prompt_tokens`) is larger than its share
+of the free KV tokens (the free tokens divided among the slots not yet admitted) waits in the
+queue, as a request over the limit does, instead of being sent into a pool it would overflow
+(SGLang would retract running requests or let it wait inside the engine, where no timeout or
+fairness of ours applies). Each admitted prompt is taken off the free figure until the next
+reading. A request always starts when nothing else is admitted, so a large prompt waits for
+room but never forever (only up to its queue timeout).
+
 Runs on the event loop; no locks, because nothing here awaits between reading and writing
 the counters.
 """
@@ -18,6 +28,16 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass, field
+
+# Bytes of request body per prompt token: OpenAI's rule of thumb for English text (about four
+# characters a token). The body's JSON punctuation and parameters make it an overestimate,
+# which errs on the side of waiting.
+BYTES_PER_TOKEN = 4
+
+
+def estimate_prompt_tokens(body: bytes) -> int:
+    """A cheap prompt-size estimate from the request body's length (no tokenizer here)."""
+    return len(body) // BYTES_PER_TOKEN
 
 
 class QueueFull(Exception):
@@ -33,6 +53,7 @@ class _Waiter:
     key: int
     weight: int
     future: asyncio.Future[None]
+    tokens: int = 0
     queued: bool = field(default=True)
 
 
@@ -44,27 +65,52 @@ class Admission:
         self.waiting = 0
         self._queues: dict[int, deque[_Waiter]] = {}
         self._ring: deque[int] = deque()  # keys with waiters, in round-robin order
+        self.kv_free: int | None = None  # free KV tokens less prompts admitted since read
 
     def set_limit(self, limit: int) -> None:
         """A new limit (the engine's capacity changed); a raise admits waiters at once."""
         self.limit = max(1, limit)
         self._grant()
 
-    def try_acquire(self, weight: int = 1) -> bool:
-        """Admit at once if a slot is free and nobody is waiting (the fast path)."""
-        if not self.waiting and self.in_use + weight <= self.limit:
-            self.in_use += weight
+    def set_kv_free(self, tokens: int | None) -> None:
+        """A new reading of the engine's free KV tokens (None: unknown, do not weigh)."""
+        self.kv_free = None if tokens is None else max(0, tokens)
+        self._grant()
+
+    def kv_share(self) -> int | None:
+        """The prompt tokens the next request may bring: the free KV tokens divided among
+        the slots not admitted yet (None: not weighed)."""
+        if self.kv_free is None:
+            return None
+        return self.kv_free // max(1, self.limit - self.in_use)
+
+    def _fits(self, weight: int, tokens: int) -> bool:
+        if self.in_use + weight > self.limit:
+            return False
+        share = self.kv_share()
+        return share is None or self.in_use == 0 or tokens <= share
+
+    def _take(self, weight: int, tokens: int) -> None:
+        self.in_use += weight
+        if self.kv_free is not None:
+            self.kv_free = max(0, self.kv_free - tokens)
+
+    def try_acquire(self, weight: int = 1, tokens: int = 0) -> bool:
+        """Admit at once if a slot is free, the prompt fits its KV share and nobody is
+        waiting (the fast path)."""
+        if not self.waiting and self._fits(weight, tokens):
+            self._take(weight, tokens)
             return True
         return False
 
-    async def acquire(self, key: int, weight: int, timeout: float) -> None:
+    async def acquire(self, key: int, weight: int, timeout: float, tokens: int = 0) -> None:
         """Wait for a slot; raises QueueFull, QueueTimeout, or CancelledError (nothing held)."""
-        if self.try_acquire(weight):
+        if self.try_acquire(weight, tokens):
             return
         if self.waiting >= self.queue_max:
             raise QueueFull
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(key, min(weight, self.limit), loop.create_future())
+        waiter = _Waiter(key, min(weight, self.limit), loop.create_future(), tokens)
         queue = self._queues.get(key)
         if queue is None:
             queue = self._queues[key] = deque()
@@ -110,12 +156,12 @@ class Admission:
             key = self._ring[0]
             queue = self._queues[key]
             head = queue[0]
-            if self.in_use + head.weight > self.limit:
+            if not self._fits(head.weight, head.tokens):
                 return
             queue.popleft()
             head.queued = False
             self.waiting -= 1
-            self.in_use += head.weight
+            self._take(head.weight, head.tokens)
             self._ring.popleft()
             if queue:
                 self._ring.append(key)  # back of the line: the next key goes first

@@ -29,7 +29,7 @@ import aiohttp
 import msgspec
 
 from appliance.gateway import validate
-from appliance.gateway.admission import QueueFull, QueueTimeout
+from appliance.gateway.admission import QueueFull, QueueTimeout, estimate_prompt_tokens
 from appliance.gateway.errors import GatewayError, rewrap_engine_error
 from appliance.gateway.keycache import presented_key
 from appliance.gateway.keys import KeyEntry
@@ -292,10 +292,11 @@ class GatewayApp:
                                  headers: dict[bytes, bytes], send: Send) -> None:
         parts = self.parts
         weight = parsed.n
-        if parsed.endpoint.generates and not parts.admission.try_acquire(weight):
+        tokens = estimate_prompt_tokens(parsed.body)
+        if parsed.endpoint.generates and not parts.admission.try_acquire(weight, tokens):
             waited = time.perf_counter()
             try:
-                await parts.admission.acquire(key.id, weight, self.queue_wait)
+                await parts.admission.acquire(key.id, weight, self.queue_wait, tokens)
             except (QueueFull, QueueTimeout) as exc:
                 raise self._busy(full=isinstance(exc, QueueFull)) from None
             finally:

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -43,6 +44,22 @@ log = logging.getLogger(__name__)
 IDLE_AFTER = 5.0  # seconds without a request before the poll backs off
 IDLE_POLL_INTERVAL = 5.0  # the idle poll: an engine state or key change seen within this
 FRESH_WAIT_MAX = 2.0  # the longest a request waits for the woken poll (a stalled database)
+
+
+def free_kv_tokens(loads: Any) -> int | None:
+    """Free KV tokens over all data-parallel ranks from SGLang's `/v1/loads` (None when the
+    report is not one)."""
+    entries = loads.get("loads") if isinstance(loads, dict) else None
+    if not isinstance(entries, list) or not entries:
+        return None
+    free = 0
+    for entry in entries:
+        total = entry.get("max_total_num_tokens") if isinstance(entry, dict) else None
+        used = entry.get("num_used_tokens") if isinstance(entry, dict) else None
+        if not isinstance(total, int) or not isinstance(used, int) or total <= 0:
+            return None
+        free += max(0, total - used)
+    return free
 
 
 @dataclass
@@ -70,6 +87,7 @@ class GatewayParts:
     _wake: asyncio.Event | None = None
     _polls: int = 0  # good polls so far
     _polled: asyncio.Event | None = None  # set (and replaced) after each good poll
+    kv_readings: int = 0  # readings of the engine's KV use so far
 
     async def start(self) -> None:
         await self.upstream.start()
@@ -106,6 +124,7 @@ class GatewayParts:
             self.keys.poll_done(ticket)  # failing keys wait for this (keycache)
         if await self.gate.refresh(published):
             self._apply_limit()
+        await self._read_kv()
         self._polled_at = started
         self._polls += 1
         if self._polled is not None:
@@ -118,6 +137,27 @@ class GatewayParts:
         if self.gate.limit:
             self.admission.set_limit(self.gate.limit)
             log.info("admitting up to %d requests at once", self.gate.limit)
+
+    async def _read_kv(self) -> None:
+        """The engine's free KV tokens for admission to weigh requests by, read while there
+        is work (an idle engine's pool is free; nothing is read then), forgotten while the
+        gate is closed. `/v1/loads` is SGLang's JSON load report (no --enable-metrics
+        needed): per data-parallel rank, `max_total_num_tokens` and `num_used_tokens`."""
+        admission = self.admission
+        if not self.gate.open:
+            admission.set_kv_free(None)
+            return
+        if not admission.in_use and not admission.waiting:
+            return
+        admission.set_kv_free(free_kv_tokens(await self._get_loads()))
+        self.kv_readings += 1
+
+    async def _get_loads(self) -> Any:
+        try:
+            return await self.upstream.get_json("/v1/loads?include=core")
+        except Exception as exc:  # an old engine, a hiccup: admit by count alone meanwhile
+            log.debug("could not read the engine's KV use: %s", exc)
+            return None
 
     @property
     def backed_off(self) -> bool:
