@@ -20,6 +20,7 @@ import tempfile
 import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, get_type_hints
 
 from appliance.errors import ConfigError
@@ -132,6 +133,10 @@ class DatabaseConfig:
     )
 
 
+def _local_login(value: str) -> str | None:
+    return None if value in ("all", "break_glass") else '"all" or "break_glass"'
+
+
 @dataclasses.dataclass(frozen=True)
 class AuthConfig:
     """Admin sessions and login throttling."""
@@ -142,6 +147,62 @@ class AuthConfig:
     login_window_seconds: int = _key(60, _positive, "window in which failures are counted")
     failed_login_retention_days: int = _key(
         30, _positive, "failed and refused login audit entries are deleted after this")
+    local_login: str = _key("all", _local_login,
+                            '"all", or "break_glass": only break_glass_accounts log in locally')
+    break_glass_accounts: tuple[str, ...] = _key(
+        (), doc="local accounts that may log in when local_login is break_glass")
+
+
+ROLES = ("viewer", "operator", "admin")  # the console's roles, least to most (auth/roles.py)
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def _issuer(value: str) -> str | None:
+    """https, or plain http to loopback only (a provider on the box itself, or a test's)."""
+    from urllib.parse import urlsplit
+
+    if value == "":
+        return None
+    parts = urlsplit(value)
+    if parts.scheme == "https" and parts.hostname:
+        return None
+    if parts.scheme == "http" and parts.hostname in LOOPBACK_HOSTS:
+        return None
+    return "an https:// issuer URL (plain http only on loopback), e.g. " \
+           "https://login.microsoftonline.com/<tenant>/v2.0"
+
+
+def _scopes(value: str) -> str | None:
+    return None if "openid" in value.split() else 'space-separated scopes including "openid"'
+
+
+def _role_map(value: Mapping[str, str]) -> str | None:
+    bad = sorted(role for role in value.values() if role not in ROLES)
+    if bad or any(not group for group in value):
+        return "a table of group = role, each role one of " + ", ".join(ROLES)
+    return None
+
+
+def _show_map(value: Mapping[str, str]) -> str:
+    return ", ".join(f"{group}={role}" for group, role in value.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class OidcConfig:
+    """Single sign-on to the console with OpenID Connect (auth/oidc.py)."""
+
+    enabled: bool = _key(False, doc="offer 'Sign in with <display_name>' on the login page")
+    issuer: str = _key("", _issuer, "the provider's issuer URL (discovery is read from it)")
+    client_id: str = _key("", doc="this console's client id at the provider")
+    client_secret_file: Path | None = _key(
+        None, _absolute, "root-written file holding the client secret")
+    scopes: str = _key("openid profile email groups", _scopes, "scopes asked for")
+    groups_claim: str = _key("groups", doc="ID token claim holding the user's groups")
+    role_map: Mapping[str, str] = dataclasses.field(  # a factory: a mapping is no default
+        default_factory=lambda: MappingProxyType({}),
+        metadata={"check": _role_map, "show": _show_map,
+                  "doc": "table: group (name or id) = viewer, operator or admin"})
+    display_name: str = _key("single sign-on", doc="provider name on the login button")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,6 +458,7 @@ class Config:
     paths: PathsConfig = dataclasses.field(default_factory=PathsConfig)
     database: DatabaseConfig = dataclasses.field(default_factory=DatabaseConfig)
     auth: AuthConfig = dataclasses.field(default_factory=AuthConfig)
+    oidc: OidcConfig = dataclasses.field(default_factory=OidcConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     gpu: GpuConfig = dataclasses.field(default_factory=GpuConfig)
@@ -433,6 +495,7 @@ SECTIONS: dict[str, type[Any]] = {
     "gateway": GatewayConfig,
     "health": HealthConfig,
     "backup": BackupConfig,
+    "oidc": OidcConfig,
 }
 
 
@@ -606,6 +669,15 @@ def _coerce(source: str, dotted: str, hint: Any, value: Any, from_env: bool) -> 
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise wrong("a list of strings")
         return tuple(value)
+    if hint == Mapping[str, str]:  # a TOML table, or `key=value,...` in the environment
+        if from_env and isinstance(value, str):
+            pairs = [item.partition("=") for item in value.split(",") if item.strip()]
+            if any(not sep for _, sep, _ in pairs):
+                raise wrong("comma-separated group=role pairs")
+            return MappingProxyType({k.strip(): v.strip() for k, _, v in pairs})
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise wrong("a table of strings")
+        return MappingProxyType(dict(value))
     if hint in (Path, Path | None):
         if not isinstance(value, str):
             raise wrong("a path string")
@@ -638,10 +710,24 @@ def _cross_check(config: Config) -> None:
             "only one of the two set",
             "both set (HTTPS) or neither (HTTP)",
         )
+    _cross_check_sso(config)
     for key, path in (("server.tls_cert", server.tls_cert), ("server.tls_key", server.tls_key),
                       ("gateway.tls_cert", gateway.tls_cert), ("gateway.tls_key", gateway.tls_key)):
         if path is not None and not path.is_file():
             raise ConfigError(config.source, key, f"{path} (missing)", "a readable PEM file")
+
+
+def _cross_check_sso(config: Config) -> None:
+    oidc, auth = config.oidc, config.auth
+    if oidc.enabled:
+        for key in ("issuer", "client_id", "client_secret_file"):
+            if not getattr(oidc, key):
+                raise ConfigError(config.source, f"oidc.{key}", "unset while oidc.enabled",
+                                  "a value (docs/operations.md, Single sign-on)")
+    if auth.local_login == "break_glass" and not auth.break_glass_accounts:
+        raise ConfigError(
+            config.source, "auth.break_glass_accounts", "empty while auth.local_login is "
+            "break_glass", "at least one local account, to log in when the provider is down")
 
 
 def ensure_writable_dirs(config: Config) -> None:

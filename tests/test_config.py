@@ -364,6 +364,7 @@ WRONG_TYPE: dict[Any, list[str]] = {  # TOML literals no key of that type may ac
             "07:32:00"],
     bool: ['"yes"', '"true"', '"on"', '""', "1", "0", "1.0", "[]", "{}", "[true]",
            "1979-05-27"],
+    Mapping[str, str]: ['"x"', '""', "1", "[]", '["a"]', "true", "{ a = 1 }", '{ a = ["b"] }'],
 }
 POSITIVE_INT = ["0", "-1", "-9999"]
 NON_NEGATIVE_INT = ["-1", "-9999"]
@@ -755,7 +756,8 @@ def test_describe_lists_every_key_once(tmp: Path) -> None:
 # --- docs/configuration.md cannot drift ------------------------------------------------------
 
 TYPE_WORDS = {int: "integer", float: "number", bool: "boolean", str: "string",
-              tuple[str, ...]: "list of strings", Path: "path", Path | None: "optional path"}
+              tuple[str, ...]: "list of strings", Path: "path", Path | None: "optional path",
+              Mapping[str, str]: "table of strings"}
 NOT_KEYS = {"appliance.toml", "appliance.db", "appliance.lock"}  # dotted names that are files
 ROW = re.compile(r"^\|\s*`(?P<key>[a-z_]+\.[a-z_]+)`\s*\|\s*(?P<type>[^|]+?)\s*\|"
                  r"\s*(?P<default>[^|]+?)\s*\|", re.MULTILINE)

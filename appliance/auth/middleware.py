@@ -24,7 +24,8 @@ from appliance.runtime import runtime_of
 __all__ = ["CSRF_COOKIE", "CSRF_HEADER", "PUBLIC_PATHS", "AdminAuthMiddleware", "AuthInfo",
            "client_address"]
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-PUBLIC_PATHS = ("/login", "/static", "/healthz", "/api/v1/schema", "/favicon.ico")
+PUBLIC_PATHS = ("/login", "/login/sso", "/static", "/healthz", "/api/v1/schema",
+                "/favicon.ico")
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,15 @@ class AdminUser(Base):
     must_change_password: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
     password_changed_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
+    # "local" (a password here) or "oidc" (a shadow of a single sign-on user, found by issuer
+    # and subject, its role rewritten from the groups at each sign-in; no usable password).
+    source: Mapped[str] = mapped_column(String(16), nullable=False, server_default="local")
+    external_issuer: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    external_subject: Mapped[str | None] = mapped_column(String(255), nullable=True)
+
+    __table_args__ = (
+        UniqueConstraint("external_issuer", "external_subject", name="uq_admin_users_external"),
+    )
 
 
 class AdminSession(Base):

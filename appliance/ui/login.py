@@ -34,6 +34,7 @@ from appliance.auth.accounts import (
 )
 from appliance.auth.bootstrap import retire_bootstrap_file
 from appliance.auth.csrf import fresh_csrf_cookie, mint_token
+from appliance.auth.local_login import local_login_refusal
 from appliance.auth.middleware import AuthInfo, client_address
 from appliance.auth.sessions import COOKIE_NAME, close_session, open_session
 from appliance.errors import ApplianceError
@@ -134,6 +135,13 @@ async def login(
         return Template("pages/login.html", status_code=401,
                         context={"next": target, "error": "Wrong username or password."})
     runtime.throttle.succeeded(username, address)
+    refusal = local_login_refusal(runtime.config.auth, admin.username)
+    if refusal:
+        await audit(runtime, actor=admin.username, address=address, action="auth.login",
+                    outcome="denied", target=admin.username,
+                    detail={"reason": "local login reserved for break-glass accounts"})
+        return Template("pages/login.html", status_code=403,
+                        context={"next": target, "error": refusal})
     now = runtime.clock.now()
     token = await runtime.db.run(lambda s: open_session(
         s, admin, now, runtime.session_policy, address=address,

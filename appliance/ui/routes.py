@@ -43,6 +43,7 @@ from appliance.ui.qualify import (
     qualify_run_ui,
     qualify_status_partial,
 )
+from appliance.ui.sso import sso_callback, sso_start
 from appliance.ui.tuning import (
     tuning_apply_ui,
     tuning_editor,
@@ -69,7 +70,7 @@ from appliance.ui.weights import (
 
 def ui_handlers() -> list[BaseRouteHandler]:
     return [
-        login_page, login, logout, password_page, change_password,
+        login_page, login, logout, password_page, change_password, sso_start, sso_callback,
         dashboard, audit_page, events_page, settings_page, create_token_ui, revoke_token_ui,
         support_bundle_ui,
         engine_page, engine_status_partial, engine_action_ui, engine_schedule_partial,
