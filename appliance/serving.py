@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Generator
 
 import uvicorn
@@ -30,8 +31,11 @@ async def watchdog_loop(interval: float) -> None:
 
 
 async def serve_until_stopped(server: OwnSignalsServer, announce: Callable[[], Awaitable[None]],
-                              *, what: str, where: str, port_key: str) -> None:
-    """Serve until SIGTERM or SIGINT, for either plane.
+                              *, what: str, where: str, port_key: str,
+                              sockets: list[socket.socket] | None = None) -> None:
+    """Serve until SIGTERM or SIGINT, for either plane: on `sockets` when given (listening
+    sockets passed by systemd, which uvicorn closes its copies of at the end), else on the
+    server config's host and port.
 
     `announce` runs once the socket is bound (uvicorn runs lifespan startup before binding,
     so READY=1 sent from a startup hook would lie); the systemd watchdog is pinged from the
@@ -56,7 +60,7 @@ async def serve_until_stopped(server: OwnSignalsServer, announce: Callable[[], A
     if interval:
         tasks.append(asyncio.create_task(watchdog_loop(interval)))
     try:
-        await server.serve()
+        await server.serve(sockets=sockets)
     except SystemExit:
         # uvicorn exits on a failed bind after logging the OS error.
         raise ApplianceError(
