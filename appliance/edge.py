@@ -16,19 +16,12 @@ handlers therefore add the same headers (`secure`) and refuse the same paths
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, MutableMapping
 
 from litestar.enums import ScopeType
-from litestar.types import (
-    ASGIApp,
-    HTTPResponseBodyEvent,
-    HTTPResponseStartEvent,
-    Message,
-    Receive,
-    Scope,
-    Send,
-)
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
+from appliance.hostguard import refuse
 
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
        "connect-src 'self'; font-src 'self'; object-src 'none'; base-uri 'none'; "
@@ -79,21 +72,7 @@ class ConsoleEdge:
 
         why = control_refusal(scope["path"])
         if why is not None:
-            await _bad_path(send_secured, why)
+            await refuse(send_secured, "path_invalid", why,
+                         "request the page or API path without control characters")
             return
         await self.app(scope, receive, send_secured)
-
-
-async def _bad_path(send: Send, detail: str) -> None:
-    body = json.dumps({
-        "type": "urn:appliance:error:path_invalid", "title": "path invalid", "status": 400,
-        "code": "path_invalid", "detail": detail,
-        "hint": "request the page or API path without control characters",
-    }).encode()
-    start: HTTPResponseStartEvent = {
-        "type": "http.response.start", "status": 400, "headers": [
-            (b"content-type", b"application/problem+json"),
-            (b"content-length", str(len(body)).encode())]}
-    await send(start)
-    end: HTTPResponseBodyEvent = {"type": "http.response.body", "body": body, "more_body": False}
-    await send(end)

@@ -43,19 +43,21 @@ class HostGuard:
             return
         hosts = [value for name, value in scope["headers"] if name.lower() == b"host"]
         if len(hosts) > 1:
-            await _refuse(send, "host_repeated", "the request has more than one Host header",
+            await refuse(send, "host_repeated", "the request has more than one Host header",
                           "send exactly one Host header")
             return
         host = host_name(hosts[0].decode("latin-1") if hosts else "")
         if self.any or host in self.allowed:
             await self.app(scope, receive, send)
             return
-        await _refuse(send, "host_not_allowed",
+        await refuse(send, "host_not_allowed",
                       f"this console does not answer to the host name {host!r}",
                       "use an address listed in server.allowed_hosts, or add this name there")
 
 
-async def _refuse(send: Send, code: str, detail: str, hint: str) -> None:
+async def refuse(send: Send, code: str, detail: str, hint: str) -> None:
+    """Answer 400 with a problem+json naming `code`, before any app code ran (the console's
+    outermost middlewares refuse this way: a foreign or repeated Host, a bad path)."""
     body = json.dumps({
         "type": f"urn:appliance:error:{code}", "title": code.replace("_", " "), "status": 400,
         "code": code, "detail": detail, "hint": hint,
