@@ -46,7 +46,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from appliance import __version__
-from appliance.atomic import write_atomic
+from appliance.atomic import atomic_writer, write_atomic
 from appliance.config import Config
 from appliance.errors import EX_CANTCREAT, ApplianceError
 
@@ -254,30 +254,16 @@ def create_backup(config: Config, out: Path, *, passphrase: str | None,
 
 def _write_tar(out: Path, members: list[tuple[str, bytes]], *, compress: bool,
                mtime: dt.datetime) -> int:
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as raw:
-            stream: Any = gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) if compress else raw
-            with tarfile.open(fileobj=stream, mode="w", format=tarfile.PAX_FORMAT) as tar:
-                for name, data in members:
-                    info = tarfile.TarInfo(name)
-                    info.size, info.mode = len(data), 0o600
-                    info.mtime = int(mtime.timestamp())
-                    tar.addfile(info, io.BytesIO(data))
-            if compress:
-                stream.close()
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(out.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    with atomic_writer(out, mode=0o600) as raw:
+        stream: Any = gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) if compress else raw
+        with tarfile.open(fileobj=stream, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                info.size, info.mode = len(data), 0o600
+                info.mtime = int(mtime.timestamp())
+                tar.addfile(info, io.BytesIO(data))
+        if compress:
+            stream.close()
     return out.stat().st_size
 
 
