@@ -118,7 +118,7 @@ def test_start_watch_load_to_ready_then_stop_with_confirmation(
     tp_size, dcp = runtime.config.engine.tp_size, runtime.config.engine.dcp_size
     expect(memory.locator("tbody tr")).to_have_count(tp_size)
     expect(memory.locator("tbody tr").first.locator("td").first).to_have_text("TP0")
-    expect(memory.locator("tbody tr").first).to_contain_text(re.compile(r"GB = [\d,]+ tokens"))
+    expect(memory.locator("tbody tr").first).to_contain_text(re.compile(r"GiB = [\d,]+ tokens"))
     capacity = memory.get_by_text(re.compile(rf"tokens per rank \u00d7 DCP{dcp} ="))
     expect(capacity).to_be_visible()
     figures = re.search(r"KV capacity: ([\d,]+) tokens", capacity.inner_text())

@@ -134,7 +134,7 @@ def test_each_state_offers_only_the_actions_it_accepts(state: EngineState,
 def test_a_loading_engine_shows_its_progress_and_the_failed_one_its_rollback() -> None:
     loading = _card(EngineStatus(state=EngineState.LOADING_WEIGHTS, since=AT, message="loading",
                                  percent=40.0, bytes_read=40 * MIB, weights_bytes=100 * MIB))
-    assert "<progress" in loading and "40.0 MiB of 100.0 MiB read" in loading
+    assert "<progress" in loading and "41.94 MB of 104.86 MB read" in loading
     failed = _card(EngineStatus(state=EngineState.FAILED, since=AT, message="failed",
                                 reason="out_of_memory", hint="lower it",
                                 rollback_available=True))
@@ -239,7 +239,7 @@ def test_after_a_daemon_restart_the_page_shows_only_the_latest_runs_figures(
     assert {rank["state_slots"] for rank in log["ranks"]} == {332} and log["warnings"] == []
     html = page.http.get("/engine").text
     memory = html[html.index('id="engine-log-figures"'):html.index('id="engine-runs"')]
-    assert "GB for 332 slots" in memory
+    assert "GiB for 332 slots" in memory
     assert "66 slots" not in memory and "capped to 13" not in memory
     assert "Max running requests is reset" not in memory  # the DSPARK run's warnings
     assert ("From the log of run 1 (adopted after a daemon restart), started 2026-12-01 "

@@ -106,17 +106,17 @@ def test_a_healthy_host_is_ok_everywhere_in_a_stable_order() -> None:
                                        "host.shm", "host.load", "host.daemon_memory"]
     assert all(r.group == "host" and r.level is Level.OK and r.hint == "" for r in results)
     models = results[0].summary
-    assert "2,000.0 GiB free of 4,000.0 GiB (50% free)" in models
+    assert "2.15 TB free of 4.29 TB (50% free)" in models
 
 
 def test_models_disk_warns_then_goes_critical(tmp_path: Path) -> None:
     warn = dataclasses.replace(roomy_host(), models_free_bytes=99 * GIB)
     level, summary, hint = by_id(warn, paths=make_paths(tmp_path))["host.models_disk"]
-    assert level is Level.WARN and "99.0 GiB free" in summary and "100 GiB warning" in summary
+    assert level is Level.WARN and "106.30 GB free" in summary and "107.37 GB warning" in summary
     assert str(tmp_path / "models") in hint and "Weights page" in hint
     critical = dataclasses.replace(roomy_host(), models_free_bytes=19 * GIB)
     level, summary, _ = by_id(critical)["host.models_disk"]
-    assert level is Level.CRITICAL and "20 GiB critical" in summary
+    assert level is Level.CRITICAL and "21.47 GB critical" in summary
     edge = dataclasses.replace(roomy_host(), models_free_bytes=100 * GIB)
     assert by_id(edge)["host.models_disk"][0] is Level.OK
 
@@ -147,7 +147,7 @@ def test_memory_warns_under_the_percentage() -> None:
 def test_shm_warns_when_nearly_full() -> None:
     full = dataclasses.replace(roomy_host(), shm_free_bytes=3 * GIB)
     level, summary, hint = by_id(full)["host.shm"]
-    assert level is Level.WARN and "4 GiB warning" in summary and "/dev/shm" in hint
+    assert level is Level.WARN and "4.29 GB warning" in summary and "/dev/shm" in hint
 
 
 def test_load_warns_over_twice_the_cpus() -> None:
@@ -169,6 +169,7 @@ def test_load_is_judged_over_five_minutes_when_known() -> None:
 def test_daemon_memory_warns_over_the_line() -> None:
     fat = dataclasses.replace(roomy_host(), daemon_rss_bytes=3000 * MIB)
     level, summary, hint = by_id(fat)["host.daemon_memory"]
-    assert level is Level.WARN and "3,000 MiB" in summary and "systemctl restart" in hint
+    assert level is Level.WARN and "3.15 GB of memory" in summary and "systemctl restart" in hint
+    assert "over the 2.15 GB warning line" in summary
     custom = HealthConfig(daemon_rss_warn_mib=4096)
     assert all(r.level is Level.OK for r in host_checks(fat, custom))

@@ -10,7 +10,7 @@ import jinja2
 from appliance.health.model import CheckResult, HealthSnapshot, Level
 from appliance.health.views import health_page
 from appliance.resources import templates_dir
-from appliance.ui.templating import duration, size, when
+from appliance.ui.templating import filters
 
 AT = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
 SNAPSHOT = HealthSnapshot(AT, (
@@ -27,7 +27,7 @@ SNAPSHOT = HealthSnapshot(AT, (
 
 def render(page: object) -> str:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(templates_dir()), autoescape=True)
-    env.filters.update(when=when, size=size, duration=duration)
+    env.filters.update(filters())
     return env.get_template("partials/health_board.html").render(
         page=page, durations=(), error=None, notice="", csrf_input="")
 

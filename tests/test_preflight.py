@@ -141,11 +141,11 @@ CASES = [
                                     "finish"), "weights_verified", "error",
      "3 of 9 files", "let the pull finish"),
     ("small shm", good_facts(shm_total_bytes=GIB // 16, shm_free_bytes=GIB // 16), "shm",
-     "warning", "0.1 GiB free", "remount"),
+     "warning", "67.11 MB free", "remount"),
     ("unreadable shm", good_facts(shm_total_bytes=None, shm_free_bytes=None), "shm", "warning",
      "could not be read", "/dev/shm"),
     ("models volume full", good_facts(models_free_bytes=GIB), "models_volume", "warning",
-     "only 1.0 GiB free", "free space"),
+     "only 1.07 GB free", "free space"),
     ("models volume unreadable", good_facts(models_free_bytes=None), "models_volume",
      "warning", "could not be read", "free space"),
 ]

@@ -24,6 +24,7 @@ import httpx
 
 from appliance.config import Config
 from appliance.errors import EX_USAGE, ApplianceError
+from appliance.sizes import duration_text, when_text
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -223,13 +224,19 @@ def daemon_api(config: Config) -> Iterator[httpx.Client]:
         db.dispose()
 
 
+# The API's hints name its own fields ("repeat with confirm=true"); a terminal wants the flag.
+CLI_HINTS = {"confirmation_required": "repeat with --yes"}
+
+
 def checked(response: httpx.Response, code: str = "engine_api") -> dict[str, Any]:
     """The daemon API's JSON answer, or its problem document raised as an ApplianceError
-    (`code` when the answer names none). Shared by the CLIs that go through `daemon_api`."""
+    (`code` when the answer names none). Shared by the CLIs that go through `daemon_api`;
+    a hint that names an API field is replaced by the CLI's flag (`CLI_HINTS`)."""
     body = response.json()
     if response.status_code >= 400:
-        raise ApplianceError(str(body.get("code", code)), str(body.get("detail")),
-                             str(body.get("hint", "")), exit_code=1)
+        found = str(body.get("code", code))
+        raise ApplianceError(found, str(body.get("detail")),
+                             CLI_HINTS.get(found, str(body.get("hint", ""))), exit_code=1)
     assert isinstance(body, dict)
     return body
 
@@ -243,17 +250,25 @@ def describe_status(status: dict[str, Any]) -> str:
                         "`appliance engine status`)")
     if status.get("scheduled"):
         planned = status["scheduled"]
-        lines.append(f"scheduled: {planned['command']} at {planned['run_at']} "
+        lines.append(f"scheduled: {planned['command']} at {_moment(planned['run_at'])} "
                      f"(id {planned['id']})")
     if status.get("percent") is not None and status["state"] not in ("ready", "stopped"):
         eta = status.get("eta_seconds")
         lines.append(f"progress: {status['percent']:.0f}%"
-                     + (f", about {eta / 60:.0f} min left" if eta is not None else ""))
+                     + (f", about {duration_text(eta)} left" if eta is not None else ""))
     if status.get("reason"):
         lines.append(f"reason: {status['reason']}; {status.get('hint', '')}")
     if status.get("next_retry_at"):
-        lines.append(f"next attempt at {status['next_retry_at']}")
+        lines.append(f"next attempt at {_moment(status['next_retry_at'])}")
     return "\n".join(lines)
+
+
+def _moment(iso: str) -> str:
+    """An API timestamp as every screen writes it (UTC, to the second); as given if odd."""
+    try:
+        return when_text(dt.datetime.fromisoformat(iso))
+    except (TypeError, ValueError):
+        return str(iso)
 
 
 def show_logs(api: httpx.Client, args: argparse.Namespace) -> int:

@@ -50,7 +50,7 @@ def render_text(state: LogState) -> str:
         out.append(f"  context_len            {figures.context_len:,}")
         out.append(f"  chunked_prefill_size   {_count(figures.chunked_prefill_size)}")
         out.append(f"  max_prefill_tokens     {_count(figures.max_prefill_tokens)}")
-        out.append(f"  available_gpu_mem      {_gb(figures.available_gpu_mem_gb)} GB")
+        out.append(f"  available_gpu_mem      {_gb(figures.available_gpu_mem_gb)} GiB")
     if state.startup_timings:
         timings = ", ".join(f"{key}={value:.2f}" for key, value in state.startup_timings)
         out.append(f"Startup timings (s){tag}: {timings}")
@@ -150,10 +150,11 @@ def _memory_table(state: LogState, tag: str) -> list[str]:
     if not state.ranks:
         return []
     draft = any(m.draft_weights_gb is not None or m.draft_kv_gb is not None for m in state.ranks)
-    header = ["rank", "weights GB", "KDA state GB (conv+ssm)", "MLA KV GB = tokens/rank"]
+    # GiB, as nvidia-smi: SGLang's log prints these very figures as "GB" (the title says so).
+    header = ["rank", "weights GiB", "KDA state GiB (conv+ssm)", "MLA KV GiB = tokens/rank"]
     if draft:
-        header += ["draft weights GB", "draft KV GB = tokens"]
-    header.append("free after pools GB")
+        header += ["draft weights GiB", "draft KV GiB = tokens"]
+    header.append("free after pools GiB")
     rows = [header]
     for memory in state.ranks:
         row = [str(memory.rank), _gb(memory.weights_gb), _state(memory),
@@ -165,7 +166,8 @@ def _memory_table(state: LogState, tag: str) -> list[str]:
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
     dtypes = sorted({m.kv_dtype for m in state.ranks if m.kv_dtype is not None})
     title = f"Memory per rank{tag}" + (
-        f" (MLA KV dtype {', '.join(dtypes)})" if dtypes else "") + ":"
+        f" (MLA KV dtype {', '.join(dtypes)})" if dtypes else "") + (
+        ", in GiB (SGLang's log says GB for GiB):")
     return [title, *("  " + "  ".join(cell.rjust(width) for cell, width in zip(
         row, widths, strict=True)) for row in rows)]
 

@@ -25,7 +25,7 @@ import psutil
 
 from appliance.config import Config
 from appliance.gpu.port import GpuPort, GpuSnapshot, snapshot_with_timeout
-from appliance.sizes import GIB, gib_text
+from appliance.sizes import GIB, bytes_text, gib_text
 from appliance.volumes import disk_space
 
 # /dev/shm holds NCCL's and SGLang's inter-process buffers for TP8. Bare metal gives it half
@@ -285,9 +285,9 @@ def _shm_check(facts: PreflightFacts) -> Check:
         return Check("shm", False, "warning", f"{SHM} could not be read", fix)
     if free < MIN_SHM_FREE_BYTES:
         return Check("shm", False, "warning",
-                     f"{SHM} has {gib_text(free)} free of {gib_text(total)}, below the "
-                     f"{gib_text(MIN_SHM_FREE_BYTES)} the engine should have", fix)
-    return Check("shm", True, "warning", f"{SHM} has {gib_text(free)} free")
+                     f"{SHM} has {bytes_text(free)} free of {bytes_text(total)}, below the "
+                     f"{bytes_text(MIN_SHM_FREE_BYTES)} the engine should have", fix)
+    return Check("shm", True, "warning", f"{SHM} has {bytes_text(free)} free")
 
 
 def _models_volume_check(facts: PreflightFacts) -> Check:
@@ -298,8 +298,9 @@ def _models_volume_check(facts: PreflightFacts) -> Check:
                      f"free space on the volume of {facts.model_dir} could not be read", fix)
     if free < MIN_MODELS_FREE_BYTES:
         return Check("models_volume", False, "warning",
-                     f"the models volume has only {gib_text(free)} free", fix)
-    return Check("models_volume", True, "warning", f"the models volume has {gib_text(free)} free")
+                     f"the models volume has only {bytes_text(free)} free", fix)
+    return Check("models_volume", True, "warning",
+                 f"the models volume has {bytes_text(free)} free")
 
 
 # --- the IO shell -----------------------------------------------------------------------------

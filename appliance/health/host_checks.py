@@ -23,7 +23,7 @@ import psutil
 
 from appliance.config import HealthConfig, PathsConfig
 from appliance.health.model import CheckResult, HostFigures, Level
-from appliance.sizes import GIB, gib_text
+from appliance.sizes import GIB, bytes_text
 from appliance.volumes import disk_space
 
 GROUP = "host"
@@ -76,21 +76,23 @@ def _disk(check_id: str, title: str, name: str, free: int | None, total: int | N
         return _result(check_id, title, Level.WARN, f"the {name} volume could not be read",
                        "check that the directory in the configuration exists and that the "
                        "appliance user may read it")
-    summary = (f"the {name} volume has {gib_text(free)} free of {gib_text(total or 0)}"
+    # Disks in SI units, as their vendors and `df -H` say; the lines are configured in GiB.
+    summary = (f"the {name} volume has {bytes_text(free)} free of {bytes_text(total or 0)}"
                f"{_share(free, total)}")
     if free < critical_gib * GIB:
         return _result(check_id, title, Level.CRITICAL,
-                       f"{summary}, under the {critical_gib} GiB critical line", hint)
+                       f"{summary}, under the {bytes_text(critical_gib * GIB)} critical line",
+                       hint)
     if free < warn_gib * GIB:
         return _result(check_id, title, Level.WARN,
-                       f"{summary}, under the {warn_gib} GiB warning line", hint)
+                       f"{summary}, under the {bytes_text(warn_gib * GIB)} warning line", hint)
     return _result(check_id, title, Level.OK, summary, hint)
 
 
 def _memory(figures: HostFigures, health: HealthConfig) -> CheckResult:
     total = figures.memory_total_bytes
     percent = 100 * figures.memory_available_bytes / total if total else 100.0
-    summary = (f"{gib_text(figures.memory_available_bytes)} of {gib_text(total)} RAM available "
+    summary = (f"{bytes_text(figures.memory_available_bytes)} of {bytes_text(total)} RAM available "
                f"({percent:.1f}%)")
     limit = health.memory_available_warn_percent
     return _warn_line(
@@ -107,11 +109,11 @@ def _shm(figures: HostFigures, health: HealthConfig) -> CheckResult:
                        "there is no readable /dev/shm on this host",
                        "SGLang's processes and NCCL share memory through /dev/shm: mount it "
                        "(tmpfs) before starting the engine")
-    summary = f"{SHM_PATH} has {gib_text(free)} free of {gib_text(total or 0)}"
+    summary = f"{SHM_PATH} has {bytes_text(free)} free of {bytes_text(total or 0)}"
     limit = health.shm_free_warn_gib
     return _warn_line(
         "host.shm", "Shared memory", summary, crossed=free < limit * GIB,
-        line=f"under the {limit} GiB warning line",
+        line=f"under the {bytes_text(limit * GIB)} warning line",
         hint="find what fills it (`ls -la --sort=size /dev/shm`): segments left by a killed "
         "engine (torch_*, nccl-*) can be removed while no engine runs; /dev/shm lives in RAM")
 
@@ -130,12 +132,12 @@ def _load(figures: HostFigures) -> CheckResult:
 
 
 def _daemon(figures: HostFigures, health: HealthConfig) -> CheckResult:
-    rss_mib = figures.daemon_rss_bytes / MIB
-    summary = f"the appliance daemon uses {rss_mib:,.0f} MiB of memory"
-    limit = health.daemon_rss_warn_mib
+    rss = figures.daemon_rss_bytes
+    summary = f"the appliance daemon uses {bytes_text(rss)} of memory"
+    limit = health.daemon_rss_warn_mib * MIB  # configured in MiB, shown in SI like all RAM
     return _warn_line(
-        "host.daemon_memory", "Daemon memory", summary, crossed=rss_mib > limit,
-        line=f"over the {limit} MiB warning line",
+        "host.daemon_memory", "Daemon memory", summary, crossed=rss > limit,
+        line=f"over the {bytes_text(limit)} warning line",
         hint="restart the control plane (`systemctl restart appliance`): the engine keeps "
         "serving through it; if it grows again, report it with `appliance doctor --json`")
 

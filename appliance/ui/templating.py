@@ -1,41 +1,68 @@
-"""Jinja filters the console's templates use (formatting only, no logic)."""
+"""Jinja filters the console's templates use (formatting only, no logic).
+
+Every filter delegates to appliance/sizes.py, the one formatting module the CLI and event
+messages use too, so a page never says a size differently from the terminal:
+
+- `size`: bytes in SI decimal units (96.21 MB, 1.56 TB): disks, downloads, RAM.
+- `gib`: bytes in GiB, for GPU memory only (nvidia-smi's and SGLang's unit).
+- `rate`: bytes per second (MB/s, GB/s).
+- `when`: a UTC time to the second, labelled; `duration`: a span in words.
+- `plural`: `n | plural("check")` gives "1 check" / "2 checks".
+- `ticks`: a hint's `command` spans (backticks, as the CLI prints them) as <code>, so a page
+  never shows a literal backtick.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
+import re
+from collections.abc import Callable
 
 from litestar.plugins.jinja import JinjaTemplateEngine
+from markupsafe import Markup, escape
 
 from appliance import __version__
+from appliance.sizes import bytes_text, duration_text, gib_text, plural, rate_text, when_text
 
 
 def when(value: dt.datetime | None) -> str:
-    return value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if value else "—"
+    return when_text(value)
 
 
 def size(value: int | float) -> str:
-    amount = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if amount < 1024 or unit == "TiB":
-            return f"{amount:.0f} {unit}" if unit == "B" else f"{amount:.1f} {unit}"
-        amount /= 1024
-    raise AssertionError("unreachable")
+    return bytes_text(value)
 
 
-def duration(seconds: int | float) -> str:
-    seconds = int(seconds)
-    days, rest = divmod(seconds, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    if days:
-        return f"{days}d {hours}h"
-    if hours:
-        return f"{hours}h {minutes}m"
-    return f"{minutes}m {secs}s" if minutes else f"{secs}s"
+def gib(value: int | float) -> str:
+    return gib_text(value)
+
+
+def rate(bytes_per_second: float | None) -> str:
+    return rate_text(bytes_per_second)
+
+
+def duration(seconds: int | float | None) -> str:
+    return duration_text(seconds)
+
+
+def filters() -> dict[str, Callable[..., str]]:
+    """Every filter by name: for the console's engine and for a test's bare Environment."""
+    return {"when": when, "size": size, "gib": gib, "rate": rate, "duration": duration,
+            "plural": plural, "ticks": ticks}
+
+
+_TICKED = re.compile(r"`([^`]+)`")
+
+
+def ticks(text: object) -> Markup:
+    """Escape `text`, then show each `span` in backticks as <code>span</code>."""
+    escaped = str(escape("" if text is None else text))
+    coded = _TICKED.sub(r"<code>\1</code>", escaped).replace("`", "")
+    return Markup(coded)  # noqa: S704 - built from escaped text
 
 
 def configure_templates(engine: JinjaTemplateEngine) -> None:
     env = engine.engine
-    env.filters.update(when=when, size=size, duration=duration)
+    env.filters.update(filters())
     env.globals["version"] = __version__
     env.autoescape = True
