@@ -138,7 +138,7 @@ def test_the_snapshot(checked: Console, clock: FakeClock) -> None:
     assert hot["level"] == "critical" and hot["group"] == "gpu" and not hot["muted"]
     assert "95" in hot["summary"] and hot["hint"]
     assert check(body, "gpu.0.temperature")["level"] == "ok"
-    assert {c["group"] for c in body["checks"]} == {"gpu", "engine", "host"}
+    assert {c["group"] for c in body["checks"]} == {"gpu", "engine", "host", "weights"}
     assert check(body, "engine.ready")["level"] == "ok"
     assert check(body, "engine.ready")["checked"] is True  # this rig's engine serves
     assert len(body["gpus"]["gpus"]) == 8

@@ -492,7 +492,7 @@ def test_jobs_run_once_at_start_then_on_their_intervals(config: Config, db: Data
     assert set(JOB_IDS) <= set(jobs)
     seconds = {i: jobs[i].trigger.interval.total_seconds() for i in JOB_IDS}
     assert seconds == {"health_gpus": 15, "health_engine": 10, "health_host": 30,
-                       "health_prune": 3600}
+                       "health_weights": 300, "health_prune": 3600}
     assert all(g for g in runtime.health.latest.by_group().values())
 
 

@@ -248,7 +248,7 @@ def test_views_mutes_since_and_gpu_marks() -> None:
     assert first.mark("power") == "" and first.temperature == "95 °C"
     assert second.level is Level.CRITICAL and second.error == "lost" and second.memory == "—"
     page = health_page(snapshot, muted, [failure])
-    assert [g.level for g in page.groups] == [Level.CRITICAL, Level.OK, Level.OK]
+    assert [g.level for g in page.groups] == [Level.CRITICAL, Level.OK, Level.OK, Level.OK]
     assert page.recent == (failure,)
     assert dashboard(snapshot, muted, {}, NOW).engine.state == "loading weights"
 

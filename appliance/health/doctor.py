@@ -175,60 +175,11 @@ def database_check(db: Database) -> CheckResult:
 
 
 def weights_check(db: Database, config: Config) -> CheckResult:
-    """The active weight set: recorded, fully verified once, and the quick tier passing now
-    (sizes and safetensors headers: seconds, not the hour a full hash takes)."""
-    from appliance.engine.args import model_dir
-    from appliance.weights import records
-    from appliance.weights.importer import QUARANTINE, quarantined
-    from appliance.weights.quick import quick_verify
-    from appliance.weights.service import active_set
+    """The active weight set: recorded, fully verified once, no file damaged or quarantined,
+    and the quick tier passing now; the Health page's verdict under the doctor's id."""
+    from appliance.health.weights_checks import weights_check as verdict
 
-    wanted = config.engine.model
-    record = db.call(active_set)
-    if record is None or record.repo_id != wanted:
-        return _result("appliance.weights", "Weights", Level.WARN,
-                       f"no weight set of {wanted} is recorded yet",
-                       "pull them (`appliance weights pull`) or import a copy (`appliance "
-                       "weights import DIR`); the engine cannot start without them")
-    name = f"{wanted}@{record.commit[:12]}"
-    files = db.call(lambda s: records.set_files(s, record.id))
-    directory = model_dir(config.paths.models_dir, wanted)
-    # A file a verification found damaged (quarantined, or recorded failed) is CRITICAL for
-    # serving, named with what was found, not folded into "not verified yet".
-    moved = set(quarantined(directory, [f.path for f in files]))
-    damaged = [f for f in files if f.state == "failed" or f.path in moved]
-    if damaged:
-        shown = "; ".join(_damage(f.path, f.last_error, directory / QUARANTINE / f.path)
-                          for f in damaged[:3])
-        more = f" (and {len(damaged) - 3} more)" if len(damaged) > 3 else ""
-        return _result("appliance.weights", "Weights", Level.CRITICAL,
-                       f"{len(damaged)} file(s) of {name} are damaged or failed: "
-                       f"{shown}{more}",
-                       "fetch them again (`appliance weights refetch`, or the Weights page) or "
-                       "re-import them; the engine refuses to start on them")
-    if record.full_verified_at is None:
-        pending = sum(f.state != "verified" for f in files)
-        return _result("appliance.weights", "Weights", Level.WARN,
-                       f"{pending} of {len(files)} files of {name} are not verified yet",
-                       "let the pull finish, or run `appliance weights verify --full`")
-    manifest = db.call(lambda s: records.load_manifest(s, record.id))
-    report = quick_verify(directory, manifest)
-    if not report.ok:
-        shown = "; ".join(p.message for p in report.problems[:3])
-        return _result("appliance.weights", "Weights", Level.CRITICAL,
-                       f"{name} fails the quick check: {shown}",
-                       "fetch the damaged files again (`appliance weights refetch`, or the "
-                       "Weights page) or re-import them; the engine refuses to start on them")
-    return _result("appliance.weights", "Weights", Level.OK,
-                   f"{name} verified {record.full_verified_at:%Y-%m-%d %H:%M} UTC; the quick "
-                   "check passes now")
-
-
-def _damage(path: str, error: str, quarantined_at: Path) -> str:
-    """One damaged file in a sentence that starts with its name."""
-    if not error:
-        return f"{path}: moved to {quarantined_at}"
-    return error if error.startswith(path) else f"{path}: {error}"
+    return verdict(db, config, check_id="appliance.weights", group=GROUP)
 
 
 def _engine(level: Level, summary: str, hint: str = "") -> CheckResult:

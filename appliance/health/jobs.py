@@ -3,6 +3,7 @@
     health_gpus    every health.gpu_interval_seconds     (NVML, in a thread, with a timeout)
     health_engine  every health.engine_interval_seconds  (/ready, /metrics, rare probes)
     health_host    every health.host_interval_seconds    (disks, memory, load)
+    health_weights every 5 minutes                         (the weights' quick tier: file stats)
     health_prune   hourly                                 (roll-ups, old history, mutes)
 
 With the scheduler's defaults (`runtime.new_scheduler`): one instance of each at a time,
@@ -16,9 +17,10 @@ from __future__ import annotations
 
 import datetime as dt
 
+from appliance.health.weights_checks import INTERVAL_SECONDS as WEIGHTS_SECONDS
 from appliance.runtime import Runtime
 
-JOB_IDS = ("health_gpus", "health_engine", "health_host", "health_prune")
+JOB_IDS = ("health_gpus", "health_engine", "health_host", "health_weights", "health_prune")
 
 
 def schedule_health(runtime: Runtime) -> None:
@@ -30,6 +32,7 @@ def schedule_health(runtime: Runtime) -> None:
         ("health_gpus", monitor.check_gpus, health.gpu_interval_seconds),
         ("health_engine", monitor.check_engine, health.engine_interval_seconds),
         ("health_host", monitor.check_host, health.host_interval_seconds),
+        ("health_weights", monitor.check_weights, WEIGHTS_SECONDS),
         ("health_prune", monitor.prune, 3600),
     )
     for job_id, poll, seconds in jobs:

@@ -41,7 +41,7 @@ class Level(enum.IntEnum):
         return cls[text.upper()]
 
 
-GROUPS = ("gpu", "engine", "host")
+GROUPS = ("gpu", "engine", "host", "weights")
 
 
 @dataclass(frozen=True)

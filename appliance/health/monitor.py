@@ -1,4 +1,4 @@
-"""The health monitor: runs the GPU, engine and host checks, keeps the latest snapshot in
+"""The health monitor: runs the GPU, engine, host and weights checks, keeps the latest snapshot in
 memory, records transitions and history, sends alerts, and applies the engine policy.
 
 One monitor per daemon (built by `build_runtime`, scheduled by `appliance.health.jobs`).
@@ -53,6 +53,7 @@ from appliance.health.model import (
     merge,
 )
 from appliance.health.transitions import Transition
+from appliance.health.weights_checks import weights_check
 from appliance.ops.backup import read_status
 from appliance.ops.schedule import backup_check
 
@@ -124,9 +125,13 @@ class HealthMonitor:
     async def check_host(self) -> HealthSnapshot:
         return await self._run("host", self._poll_host)
 
+    async def check_weights(self) -> HealthSnapshot:
+        return await self._run("weights", self._poll_weights)
+
     async def check_all(self) -> HealthSnapshot:
         """Every check once, now (the console's "check now", `appliance doctor`)."""
-        await asyncio.gather(self.check_gpus(), self.check_engine(), self.check_host())
+        await asyncio.gather(self.check_gpus(), self.check_engine(), self.check_host(),
+                             self.check_weights())
         return self.latest
 
     async def _poll_gpus(self, now: dt.datetime) -> tuple[list[CheckResult], dict[str, Any]]:
@@ -148,6 +153,10 @@ class HealthMonitor:
         results = [*host_checks(figures, self.config.health, self.config.paths),
                    backup_check(self.config.backup.schedule, backups, now)]
         return results, {"host": figures}
+
+    async def _poll_weights(self, now: dt.datetime) -> tuple[list[CheckResult], dict[str, Any]]:
+        # The doctor's verdict on the active set (database reads and file stats: a thread).
+        return [await asyncio.to_thread(weights_check, self.db, self.config)], {}
 
     async def _run(self, group: str, poll: Poll) -> HealthSnapshot:
         async with self._locks[group]:

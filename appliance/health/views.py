@@ -21,7 +21,7 @@ from appliance.health.history import MuteView, TransitionView
 from appliance.health.model import GROUPS, HealthSnapshot, Level
 from appliance.sizes import gib_text
 
-GROUP_TITLES = {"gpu": "GPUs", "engine": "Engine", "host": "Host"}
+GROUP_TITLES = {"gpu": "GPUs", "engine": "Engine", "host": "Host", "weights": "Weights"}
 DASH = "—"
 
 
