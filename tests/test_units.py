@@ -1,7 +1,8 @@
 """The files in systemd/: units, sysusers.d, tmpfiles.d and the polkit rule, checked without
 systemd as PID 1 (CI has none), as reference/deploy-and-reliability.md §3 recommends.
 
-- `systemd-analyze verify --root=<staging>` of the three units prints nothing at all: it exits
+- `systemd-analyze verify --root=<staging>` of the three units and the gateway's socket unit
+  (with a listen.conf drop-in as the installer writes it) prints nothing at all: it exits
   0 on unknown keys, unparsable values and trailing comments, so any stderr line fails. The
   staging root holds the host's base units (sysinit.target …) and a stand-in executable at the
   ExecStart path.
@@ -17,7 +18,9 @@ systemd as PID 1 (CI has none), as reference/deploy-and-reliability.md §3 recom
 - Invariants that must not drift from the code: the engine log and launch spec paths are the
   ones SystemdRunner follows for the default config; the ExecStart lines parse with the CLI;
   the engine unit has no Restart=, no [Install] and no StateDirectory=; no unit depends on
-  another; the daemon and gateway do not restart on a configuration error (exit 78).
+  another; the daemon and gateway do not restart on a configuration error (exit 78); the
+  gateway's socket unit listens where the default config puts the gateway, passes one socket
+  named as the gateway looks for it, and the gateway takes it (Sockets=).
 
 Skipped when systemd-analyze, systemd-sysusers or systemd-tmpfiles is missing, unless
 TEST_APPLIANCE_REQUIRE_SYSTEMD is set (CI sets it), in which case that is a failure.
@@ -40,6 +43,7 @@ from appliance.config import DEFAULT_CONFIG_PATH, Config, load_config
 from appliance.engine import systemd_runner
 from appliance.engine.systemd_runner import SystemdRunner
 from appliance.errors import EX_CONFIG
+from appliance.gateway import handover
 from appliance.gateway.serve import GRACEFUL_SECONDS
 from appliance.runtime import engine_runner
 from tests.conftest import REPO
@@ -48,6 +52,8 @@ SYSTEMD = REPO / "systemd"
 DAEMON, GATEWAY = "appliance.service", "appliance-gateway.service"
 ENGINE = "appliance-engine.service"
 UNITS = (DAEMON, GATEWAY, ENGINE)
+SOCKET = "appliance-gateway.socket"  # the gateway's listener, held by systemd
+UNIT_FILES = (*UNITS, SOCKET)
 UNIT_DIR = "usr/local/lib/systemd/system"  # where the installer puts vendor units (§0 item 5)
 PROGRAM = "/opt/appliance/current/venv/bin/appliance"
 POLKIT_RULE = SYSTEMD / "50-appliance-engine.rules"
@@ -176,8 +182,13 @@ def staging(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("root")
     shutil.copytree(host_unit_dir(), root / "usr/lib/systemd/system", symlinks=True)
     (root / UNIT_DIR).mkdir(parents=True)
-    for name in UNITS:
+    for name in UNIT_FILES:
         shutil.copy(SYSTEMD / name, root / UNIT_DIR / name)
+    # what installer/install.sh writes from gateway.host and gateway.port
+    listen = root / UNIT_DIR / f"{SOCKET}.d" / "listen.conf"
+    listen.parent.mkdir()
+    listen.write_text("# Written by the installer\n[Socket]\nListenStream=\n"
+                      "ListenStream=127.0.0.1:8443\n")
     program = root / PROGRAM.lstrip("/")
     program.parent.mkdir(parents=True)
     program.write_text("#!/bin/sh\nexit 0\n")
@@ -187,7 +198,7 @@ def staging(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_units_verify_with_nothing_on_stderr(staging: Path) -> None:
     analyze = tool("systemd-analyze")
-    paths = [str(staging / UNIT_DIR / name) for name in UNITS]
+    paths = [str(staging / UNIT_DIR / name) for name in UNIT_FILES]
     done = run(analyze, "verify", f"--root={staging}", "--man=no", "--generators=no", *paths)
     assert (done.returncode, done.stderr, done.stdout) == (0, "", ""), done.stderr
 
@@ -579,6 +590,33 @@ def test_the_gateway_drains_before_systemd_kills_it(units: dict[str, Unit]) -> N
     assert gateway.all("CapabilityBoundingSet") == [""]
 
 
+def test_the_gateway_listens_on_a_socket_systemd_holds_across_restarts(
+    units: dict[str, Unit], config: Config
+) -> None:
+    """Issue 15: a restart of the gateway refuses nobody because the listener is the socket
+    unit's; the gateway takes descriptor 3 by the name it looks for and checks its address."""
+    socket_unit = Unit.read(SOCKET)
+    listen = socket_unit.all("ListenStream", "Socket")
+    assert listen == [f"{config.gateway.host}:{config.gateway.port}"]  # the default config's
+    assert socket_unit.get("Accept", "Socket") == "no"
+    assert socket_unit.get("FileDescriptorName", "Socket") == handover.FD_NAME
+    assert socket_unit.get("Service", "Socket") == GATEWAY
+    assert socket_unit.get("NoDelay", "Socket") == "true"
+    backlog = socket_unit.get("Backlog", "Socket")
+    assert backlog is not None and int(backlog) >= 4096
+    assert socket_unit.get("FreeBind", "Socket") == "true"  # an address not up yet at boot
+    assert socket_unit.all("WantedBy", "Install") == ["sockets.target"]
+    assert handover.SOCKET_UNIT == SOCKET
+    assert f"/{UNIT_DIR}/{SOCKET}.d/listen.conf" == handover.LISTEN_DROPIN
+    gateway = units[GATEWAY]
+    assert gateway.all("Sockets") == [SOCKET]
+    assert gateway.get("Restart") == "on-failure"
+    # the drain (idle grace included) ends well inside the stop timeout
+    stop = gateway.get("TimeoutStopSec")
+    assert stop is not None
+    assert seconds(stop) > GRACEFUL_SECONDS + handover.IDLE_GRACE_SECONDS
+
+
 def test_device_classes_match_driver_580(units: dict[str, Unit]) -> None:
     """Driver 580 names major 195 `nvidia`; char-nvidia-frontend matches nothing there."""
     for unit in units.values():
@@ -590,7 +628,7 @@ def test_device_classes_match_driver_580(units: dict[str, Unit]) -> None:
 
 def test_no_comment_trails_a_value() -> None:
     """`Key=value  # note` makes the note part of the value (and verify does not always say)."""
-    for name in UNITS:
+    for name in UNIT_FILES:
         for number, raw in enumerate((SYSTEMD / name).read_text().splitlines(), 1):
             if "=" in raw and not raw.lstrip().startswith(("#", ";")):
                 assert not re.search(r"\s[#;]", raw), f"{name}:{number}: {raw}"
@@ -605,7 +643,7 @@ def test_no_key_newer_than_the_ci_systemd_in_the_main_units(units: dict[str, Uni
 
 def test_the_files_the_installer_copies_are_here() -> None:
     """installer/install.sh copies these by name."""
-    for name in (*UNITS, "appliance.sysusers.conf", "appliance.tmpfiles.conf",
+    for name in (*UNIT_FILES, "appliance.sysusers.conf", "appliance.tmpfiles.conf",
                  POLKIT_RULE.name):
         assert (SYSTEMD / name).is_file(), name
 
