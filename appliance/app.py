@@ -39,6 +39,7 @@ from appliance.api.usage import usage_router
 from appliance.api.weights import weights_router
 from appliance.auth.middleware import CSRF_COOKIE, PUBLIC_PATHS, AdminAuthMiddleware
 from appliance.edge import ConsoleEdge, control_refusal, secure
+from appliance.auth.guards import require_role
 from appliance.engine.schedule import restore_scheduled
 from appliance.errors import ApplianceError
 from appliance.health.jobs import schedule_health
@@ -217,6 +218,7 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
         csrf_config=csrf,
         template_config=TemplateConfig(
             directory=templates_dir(), engine=JinjaTemplateEngine,
+        guards=[require_role],  # the one role check of every route (auth/roles.py's table)
             engine_callback=configure_templates,
         ),
         openapi_config=OpenAPIConfig(

@@ -134,7 +134,7 @@ def _database(config: Config) -> Database:
 
 
 def cmd_admin(args: argparse.Namespace, config: Config) -> int:
-    from appliance.auth.accounts import create_admin, list_admins, set_password
+    from appliance.auth.accounts import create_admin, list_admins, set_password, set_role
     from appliance.auth.bootstrap import BOOTSTRAP_USER, retire_bootstrap_file
     from appliance.db.journal import add_audit
 
@@ -143,22 +143,35 @@ def cmd_admin(args: argparse.Namespace, config: Config) -> int:
     if args.admin_command == "list":
         for admin in db.call(list_admins):
             flag = "  (must change password)" if admin.must_change_password else ""
-            print(f"{admin.username}\tcreated {admin.created_at:%Y-%m-%d %H:%M}Z{flag}")
+            print(f"{admin.username}\t{admin.role.value}\t"
+                  f"created {admin.created_at:%Y-%m-%d %H:%M}Z{flag}")
         return 0
     username = args.username.strip().lower()
+    if args.admin_command == "set-role":
+
+        def change(s: Session) -> str:
+            before, _ = set_role(s, username, args.role)
+            add_audit(s, at=now, actor=_operator(), action="admin.set_role", target=username,
+                      detail={"from": before.value, "to": args.role})
+            return before.value
+
+        before = db.call(change)
+        print(f"appliance: {username!r} is now {args.role} (was {before})")
+        return 0
     password = _read_password(args)
     action = "admin.create" if args.admin_command == "create" else "admin.reset_password"
 
     def apply(s: Session) -> None:
         if args.admin_command == "create":
-            create_admin(s, username, password, now)
+            create_admin(s, username, password, now, role=args.role)
         else:
             set_password(s, username, password, now)
-        add_audit(s, at=now, actor=_operator(), action=action, target=username)
+        add_audit(s, at=now, actor=_operator(), action=action, target=username,
+                  detail={"role": args.role} if args.admin_command == "create" else None)
 
     db.call(apply)
     if args.admin_command == "create":
-        print(f"appliance: admin {username!r} created")
+        print(f"appliance: admin {username!r} created, role {args.role}")
     else:
         if username == BOOTSTRAP_USER:
             retire_bootstrap_file(config.paths.state_dir)
@@ -178,7 +191,7 @@ def cmd_token(args: argparse.Namespace, config: Config) -> int:
         for info in db.call(list_tokens):
             state = "revoked" if info.revoked_at else (
                 "expired" if not info.active(now) else "active")
-            print(f"{info.prefix}\t{info.name}\towner {info.owner}\t{state}")
+            print(f"{info.prefix}\t{info.name}\towner {info.owner}\t{state}\t{info.role.value}")
         return 0
     if args.token_command == "revoke":
 
@@ -198,9 +211,10 @@ def cmd_token(args: argparse.Namespace, config: Config) -> int:
             raise ApplianceError("admin_unknown", f"there is no admin named {args.owner!r}",
                                  "tokens act for an admin; see `appliance admin list`",
                                  exit_code=EX_USAGE)
-        token, info = create_token(s, secret, owners[args.owner], args.name, now, expires)
+        token, info = create_token(s, secret, owners[args.owner], args.name, now, expires,
+                                   args.role)
         add_audit(s, at=now, actor=_operator(), action="token.create", target=info.prefix,
-                  detail={"name": info.name, "owner": args.owner})
+                  detail={"name": info.name, "owner": args.owner, "role": info.role.value})
         return token
 
     token = db.call(create)
@@ -227,13 +241,22 @@ def build_parser() -> argparse.ArgumentParser:
                              help="upgrade the database schema (backs SQLite up first)")
     migrate.add_argument("--migrations", help=argparse.SUPPRESS)  # tests: another script dir
 
-    admin = sub.add_parser("admin", parents=[common], help="manage admin accounts")
+    from appliance.auth.roles import ROLE_NAMES as roles
+    admin = sub.add_parser("admin", parents=[common],
+                           help="manage console accounts and their roles")
     admin_sub = admin.add_subparsers(dest="admin_command", required=True)
     for name in ("create", "reset-password"):
         cmd = admin_sub.add_parser(name, parents=[common])
         cmd.add_argument("--username", required=True)
         cmd.add_argument("--password-stdin", action="store_true",
                          help="read the password from the first line of standard input")
+        if name == "create":
+            cmd.add_argument("--role", choices=roles, default="admin",
+                             help="viewer (reads), operator (runs the box), admin (all)")
+    set_role = admin_sub.add_parser("set-role", parents=[common],
+                                    help="give an account another role")
+    set_role.add_argument("--username", required=True)
+    set_role.add_argument("--role", choices=roles, required=True)
     admin_sub.add_parser("list", parents=[common])
 
     token = sub.add_parser("token", parents=[common], help="manage admin API tokens")
@@ -242,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--name", required=True)
     create.add_argument("--owner", default="admin", help="the admin the token acts for")
     create.add_argument("--expires-days", type=int, default=0)
+    create.add_argument("--role", choices=roles, default=None,
+                        help="what the token may do (default and ceiling: its owner's role)")
     token_sub.add_parser("list", parents=[common])
     revoke = token_sub.add_parser("revoke", parents=[common])
     revoke.add_argument("prefix")

@@ -313,7 +313,8 @@ def test_bearer_token_reaches_the_api_without_csrf(logged_in: Console, server: L
     token = _api_token(logged_in)
     with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {token}"}) as c:
         assert c.get("/api/v1/me").json() == {
-            "username": "alice", "auth": "token", "must_change_password": False}
+            "username": "alice", "auth": "token", "must_change_password": False,
+            "role": "admin"}
         created = c.post("/api/v1/tokens", json={"name": "second"})
         assert created.status_code == 201
         prefix = created.json()["info"]["prefix"]

@@ -220,7 +220,8 @@ def test_api_token_created_shown_once_used_and_revoked(
         bearer = {"Authorization": f"Bearer {token}"}
         me = api.get("/api/v1/me", headers=bearer)
         assert me.status_code == 200, me.text
-        assert me.json() == {"username": "alice", "auth": "token", "must_change_password": False}
+        assert me.json() == {"username": "alice", "auth": "token", "must_change_password": False,
+                             "role": "admin"}
 
         page.reload()
         expect(row).to_be_visible()

@@ -33,6 +33,7 @@ class Me:
     username: str
     auth: str
     must_change_password: bool
+    role: str  # what this request may do: with a token, the lower of its and the account's
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Setting:
 class TokenCreate:
     name: str
     expires_at: dt.datetime | None = None
+    role: str | None = None  # viewer, operator or admin; default and ceiling: the caller's
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,8 @@ async def get_status(request: AdminRequest) -> DaemonStatus:
 
 @get("/me", summary="Who is calling")
 async def get_me(request: AdminRequest) -> Me:
-    return Me(request.user.username, request.auth.kind, request.user.must_change_password)
+    return Me(request.user.username, request.auth.kind, request.user.must_change_password,
+              request.user.role.value)
 
 
 @get("/audit", summary="Audit log, newest first")
@@ -143,7 +146,7 @@ async def post_token(request: AdminRequest, data: JSONBody[TokenCreate]) -> Toke
         expires = expires.replace(tzinfo=dt.UTC)
     token, info = await issue_token(
         runtime, request.user, name=data.name, expires_at=expires,
-        address=client_address(request), via=f"api:{request.auth.kind}",
+        address=client_address(request), via=f"api:{request.auth.kind}", role=data.role,
     )
     return TokenCreated(token, info)
 

@@ -1,4 +1,4 @@
-"""Local admin accounts with argon2id password hashes.
+"""Local console accounts with argon2id password hashes, each with a role (auth/roles.py).
 
 Functions take a SQLAlchemy `Session` and return frozen records. Password checks always run a
 hash verification, even for unknown users, so response time does not reveal which usernames
@@ -17,6 +17,7 @@ from argon2.exceptions import InvalidHashError, VerificationError
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from appliance.auth.roles import ROLE_NAMES, Role
 from appliance.db.models import AdminSession, AdminUser
 from appliance.errors import ApplianceError
 
@@ -34,6 +35,7 @@ class Admin:
     must_change_password: bool
     created_at: dt.datetime
     password_changed_at: dt.datetime
+    role: Role
 
 
 @lru_cache(maxsize=1)
@@ -49,7 +51,16 @@ def _dummy_hash() -> str:
 
 def _record(user: AdminUser) -> Admin:
     return Admin(user.id, user.username, user.must_change_password, user.created_at,
-                 user.password_changed_at)
+                 user.password_changed_at, Role(user.role))
+
+
+def check_role(role: str) -> Role:
+    if role not in ROLE_NAMES:
+        raise ApplianceError(
+            "role_invalid", f"there is no role {role!r}",
+            "use one of " + ", ".join(ROLE_NAMES), status=422,
+        )
+    return Role(role)
 
 
 def check_username(username: str) -> str:
@@ -98,10 +109,11 @@ def get_admin(session: Session, user_id: int) -> Admin | None:
 
 def create_admin(
     session: Session, username: str, password: str, now: dt.datetime, *,
-    must_change_password: bool = False,
+    must_change_password: bool = False, role: str = Role.ADMIN,
 ) -> Admin:
     check_username(username)
     check_password(password)
+    chosen = check_role(role)
     if session.scalar(select(AdminUser).where(AdminUser.username == username)):
         raise ApplianceError(
             "admin_exists", f"an admin named {username!r} already exists",
@@ -110,6 +122,7 @@ def create_admin(
     user = AdminUser(
         username=username, password_hash=hasher().hash(password),
         must_change_password=must_change_password, created_at=now, password_changed_at=now,
+        role=chosen.value,
     )
     session.add(user)
     session.flush()
@@ -133,6 +146,29 @@ def set_password(
     user.password_changed_at = now
     session.query(AdminSession).filter(AdminSession.user_id == user.id).delete()
     return _record(user)
+
+
+def set_role(session: Session, username: str, role: str) -> tuple[Role, Admin]:
+    """Give an account another role; returns (its previous role, the account). Its sessions
+    and tokens stay: each request reads the role afresh, and a token never acts above it."""
+    chosen = check_role(role)
+    user = session.scalar(select(AdminUser).where(AdminUser.username == username))
+    if user is None:
+        raise ApplianceError(
+            "admin_unknown", f"there is no account named {username!r}",
+            "list accounts with `appliance admin list`", status=404,
+        )
+    before = Role(user.role)
+    if before == Role.ADMIN and chosen != Role.ADMIN:
+        admins = session.scalar(select(func.count()).select_from(AdminUser)
+                                .where(AdminUser.role == Role.ADMIN.value)) or 0
+        if admins <= 1:
+            raise ApplianceError(
+                "last_admin", f"{username!r} is the only admin; the box would have none",
+                "make another account admin first (`appliance admin set-role`)", status=409,
+            )
+    user.role = chosen.value
+    return before, _record(user)
 
 
 def authenticate(session: Session, username: str, password: str) -> Admin | None:

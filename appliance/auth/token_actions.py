@@ -18,16 +18,17 @@ from appliance.runtime import Runtime
 
 async def issue_token(
     runtime: Runtime, admin: Admin, *, name: str, expires_at: dt.datetime | None,
-    address: str, via: str,
+    address: str, via: str, role: str | None = None,
 ) -> tuple[str, TokenInfo]:
-    """Create a token for `admin`; returns (the token, shown once; its record)."""
+    """Create a token for `admin` (with `role`, default theirs, never above it); returns
+    (the token, shown once; its record)."""
     now = runtime.clock.now()
 
     def apply(s: Session) -> tuple[str, TokenInfo]:
-        token, info = create_token(s, runtime.secret, admin, name, now, expires_at)
+        token, info = create_token(s, runtime.secret, admin, name, now, expires_at, role)
         add_audit(s, at=now, actor=admin.username, address=address, action="token.create",
                   target=info.prefix, detail={
-                      "name": info.name, "via": via,
+                      "name": info.name, "via": via, "role": info.role.value,
                       "expires_at": expires_at.isoformat() if expires_at else None})
         return token, info
 

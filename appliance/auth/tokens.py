@@ -4,10 +4,15 @@ A token looks like `apt_<prefix>_<secret>`. The prefix (8 hex characters) is sto
 clear so an operator can tell tokens apart; the whole token is stored as an HMAC-SHA256 keyed
 with the server secret, so a copy of the database alone cannot be used to forge or test
 tokens. The full token is shown exactly once, when created.
+
+Each token carries a role (auth/roles.py) no higher than its owner's when it is created, and
+acts with the lower of its own and its owner's current role: demoting an account demotes its
+tokens too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hmac
 import re
@@ -17,10 +22,11 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from appliance.auth.accounts import Admin, get_admin
+from appliance.auth.accounts import Admin, check_role, get_admin
+from appliance.auth.roles import Role
 from appliance.auth.sessions import TOUCH_INTERVAL
 from appliance.db.models import ApiToken
-from appliance.errors import ApplianceError
+from appliance.errors import EX_USAGE, ApplianceError
 from appliance.secrets import keyed_hash
 
 # Both used with fullmatch(): `^...$` with match() would pass a trailing "\n".
@@ -38,6 +44,7 @@ class TokenInfo:
     last_used_at: dt.datetime | None
     expires_at: dt.datetime | None
     revoked_at: dt.datetime | None
+    role: Role
 
     def active(self, now: dt.datetime) -> bool:
         return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)
@@ -45,14 +52,24 @@ class TokenInfo:
 
 def _info(row: ApiToken, owner: str) -> TokenInfo:
     return TokenInfo(row.id, row.name, row.prefix, owner, row.created_at, row.last_used_at,
-                     row.expires_at, row.revoked_at)
+                     row.expires_at, row.revoked_at, Role(row.role))
 
 
 def create_token(
     session: Session, secret: bytes, admin: Admin, name: str, now: dt.datetime,
-    expires_at: dt.datetime | None = None,
+    expires_at: dt.datetime | None = None, role: str | None = None,
 ) -> tuple[str, TokenInfo]:
-    """Create a token; returns (the token, shown once; its record)."""
+    """Create a token acting for `admin` with `role` (default: theirs, never above it);
+    returns (the token, shown once; its record)."""
+    chosen = admin.role if role is None else check_role(role)
+    if not admin.role.allows(chosen):
+        raise ApplianceError(
+            "token_role_too_high",
+            f"a token of {admin.username!r} cannot have the {chosen.value} role: their own "
+            f"role is {admin.role.value}",
+            f"give the token the {admin.role.value} role or a lower one", status=403,
+            exit_code=EX_USAGE,
+        )
     if not NAME_RE.fullmatch(name):
         raise ApplianceError(
             "token_name_invalid", f"token name {name!r} is not allowed",
@@ -68,7 +85,7 @@ def create_token(
         prefix = secrets.token_hex(4)
     token = f"apt_{prefix}_{secrets.token_urlsafe(32)}"
     row = ApiToken(name=name, prefix=prefix, token_hash=keyed_hash(secret, token),
-                   user_id=admin.id, created_at=now, expires_at=expires_at)
+                   user_id=admin.id, created_at=now, expires_at=expires_at, role=chosen.value)
     session.add(row)
     session.flush()
     return token, _info(row, admin.username)
@@ -101,6 +118,7 @@ def resolve_token(
     session: Session, secret: bytes, token: str, now: dt.datetime, *, touch: bool = True
 ) -> tuple[Admin, TokenInfo] | None:
     """The admin a presented token acts for, or None (unknown, revoked, expired, malformed).
+    The admin's `role` is the lower of the token's and the account's.
 
     `touch=False` only checks (an open stream re-checking its credential is not a new use)."""
     match = TOKEN_RE.fullmatch(token)
@@ -116,4 +134,5 @@ def resolve_token(
         return None
     if touch and (row.last_used_at is None or abs(now - row.last_used_at) >= TOUCH_INTERVAL):
         row.last_used_at = now  # at most one write per interval, as for sessions
-    return admin, _info(row, admin.username)
+    acting = min(admin.role, Role(row.role), key=lambda r: r.rank)
+    return dataclasses.replace(admin, role=acting), _info(row, admin.username)

@@ -72,6 +72,8 @@ class AdminUser(Base):
     must_change_password: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
     password_changed_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
+    # viewer, operator or admin (appliance.auth.roles); accounts from before roles are admins.
+    role: Mapped[str] = mapped_column(String(16), nullable=False, server_default="admin")
     # "local" (a password here) or "oidc" (a shadow of a single sign-on user, found by issuer
     # and subject, its role rewritten from the groups at each sign-in; no usable password).
     source: Mapped[str] = mapped_column(String(16), nullable=False, server_default="local")
@@ -112,6 +114,8 @@ class ApiToken(Base):
     last_used_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
     expires_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
     revoked_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # At most the owner's role when created; a request acts with the lower of the two.
+    role: Mapped[str] = mapped_column(String(16), nullable=False, server_default="admin")
 
 
 class AuditEntry(Base):

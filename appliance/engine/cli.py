@@ -68,7 +68,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
     if command == "exec-spec":
         return exec_spec(args.spec or config.paths.state_dir / "engine" / "launch-spec.json",
                          args.engines_dir)
-    with daemon_api(config) as api:
+    with daemon_api(config, f"engine {command}") as api:
         if command == "logs":
             return show_logs(api, args)
         if command == "status":
@@ -175,9 +175,12 @@ def exec_spec(path: Path, engines_dir: Path | None = None) -> NoReturn:
 
 
 @contextlib.contextmanager
-def daemon_api(config: Config) -> Iterator[httpx.Client]:
-    """An HTTP client to the local daemon, carrying a 2-minute admin token for this call."""
+def daemon_api(config: Config, command: str) -> Iterator[httpx.Client]:
+    """An HTTP client to the local daemon, carrying a 2-minute admin API token for this call
+    with exactly the role `command` (e.g. "engine status") needs (auth/roles.py's
+    CLI_COMMANDS): a read works on a box whose only ready account is a viewer."""
     from appliance.auth.accounts import list_admins
+    from appliance.auth.roles import cli_role
     from appliance.auth.tokens import create_token, revoke_token
     from appliance.db.database import Database
     from appliance.secrets import server_secret
@@ -190,16 +193,22 @@ def daemon_api(config: Config) -> Iterator[httpx.Client]:
     except Exception:
         user = f"uid{os.getuid()}"
 
+    role = cli_role(command)
+
     def mint(s: Any) -> tuple[str, str]:
-        admins = [a for a in list_admins(s) if not a.must_change_password]
-        if not admins:
+        ready = [a for a in list_admins(s) if not a.must_change_password]
+        able = [a for a in ready if a.role.allows(role)]
+        if not able:
+            why = ("the bootstrap password has not been changed yet" if not ready else
+                   f"the ready ones are {', '.join(sorted({a.role.value for a in ready}))}")
             raise ApplianceError(
-                "no_admin", "no admin account is ready to act (the bootstrap password has "
-                "not been changed yet)",
-                "log in to the console once and choose a password, or create an admin with "
-                "`appliance admin create --username NAME`", exit_code=EX_USAGE)
-        token, info = create_token(s, secret, admins[0], f"cli {user}"[:64], now,
-                                   now + dt.timedelta(minutes=2))
+                "no_admin", f"`appliance {command}` needs an account with the {role.value} "
+                f"role ready to act, and there is none ({why})",
+                "log in to the console once and choose a password, or create one with "
+                f"`appliance admin create --username NAME --role {role.value}`",
+                exit_code=EX_USAGE)
+        token, info = create_token(s, secret, able[0], f"cli {user}"[:64], now,
+                                   now + dt.timedelta(minutes=2), role)
         return token, info.prefix
 
     token, prefix = db.call(mint)

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
     from appliance.engine.cli import checked, daemon_api
 
     command = args.qualify_command
-    with daemon_api(config) as api:
+    with daemon_api(config, f"qualify {command}") as api:
         if command == "status":
             return _print(args, checked(api.get(f"{API}/"), "qualify_api"), describe_status)
         if command == "list":

@@ -37,6 +37,7 @@ from appliance.errors import ApplianceError
 from appliance.gateway.keys import create_key, list_keys
 from appliance.secrets import server_secret, write_private
 from appliance.testing.checkpoint import write_checkpoint
+from appliance.testing.demo_accounts import VIEWER, demo_viewer
 from appliance.testing.demo_health import HOT_CELSIUS, HOT_GPU, hot_gpu_episode, webhook_sink
 from appliance.testing.fake_gpus import FakeGpus
 from appliance.weights import records as weights_records
@@ -170,6 +171,7 @@ def run_demo(hub_url: str, alerts: Path) -> int:
     want_weights_once(db, now)
     want_engine_running_once(db, now)
     keyfile = demo_keys(db, config.paths.state_dir, now)
+    viewer_password = demo_viewer(db, config.paths.state_dir, now)
     db.dispose()
     gateway_url = f"http://{config.gateway.host}:{config.gateway.port}"
     chat_key = json.loads(keyfile.read_text())["chat"]
@@ -190,6 +192,8 @@ def run_demo(hub_url: str, alerts: Path) -> int:
     else:
         lines.append("  Log in as the admin whose password you chose earlier "
                      "(forgot it? .venv/bin/appliance --dev admin reset-password --username admin)")
+    lines.append(f"  Roles:    log in as {VIEWER} / {viewer_password} to see what a viewer sees "
+                 "(no action; the API answers 403)")
     running = ProcessRunner(config.paths.state_dir).find()
     if running is not None:
         lines += [

@@ -182,6 +182,7 @@ async def support_bundle_ui(request: AdminRequest) -> File:
 class TokenForm:
     name: str = ""
     expires_days: str = ""
+    role: str = ""  # empty: the creator's own role
 
 
 @post("/settings/tokens", **GUARDED)
@@ -202,7 +203,7 @@ async def create_token_ui(
             expires = now + dt.timedelta(days=days)
         created = await issue_token(
             runtime, request.user, name=data.name.strip(), expires_at=expires,
-            address=client_address(request), via="console",
+            address=client_address(request), via="console", role=data.role or None,
         )
     except ValueError:
         error = "Expiry must be a whole number of days, or empty for none."

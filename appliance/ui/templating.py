@@ -18,10 +18,13 @@ import datetime as dt
 import re
 from collections.abc import Callable
 
+from jinja2 import pass_context
+from jinja2.runtime import Context
 from litestar.plugins.jinja import JinjaTemplateEngine
 from markupsafe import Markup, escape
 
 from appliance import __version__
+from appliance.auth.roles import Role
 from appliance.sizes import bytes_text, duration_text, gib_text, plural, rate_text, when_text
 
 
@@ -61,8 +64,19 @@ def ticks(text: object) -> Markup:
     return Markup(coded)  # noqa: S704 - built from escaped text
 
 
+@pass_context
+def can(context: Context, needed: str) -> bool:
+    """`{% if can("operator") %}`: whether the signed-in account's role reaches `needed`. The
+    console hides what a role cannot do; the app's role guard refuses it all the same."""
+    request = context.get("request")
+    user = request.scope.get("user") if request is not None else None
+    role = getattr(user, "role", None)
+    return role is not None and Role(role).allows(needed)
+
+
 def configure_templates(engine: JinjaTemplateEngine) -> None:
     env = engine.engine
     env.filters.update(filters())
     env.globals["version"] = __version__
+    env.globals["can"] = can
     env.autoescape = True

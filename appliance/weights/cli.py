@@ -139,7 +139,7 @@ def _remote(args: argparse.Namespace, config: Config) -> int:
 
     _checked = partial(checked, code="weights_api")
     command = args.weights_command
-    with daemon_api(config) as api:
+    with daemon_api(config, f"weights {command}") as api:
         if command == "status":
             view = _checked(api.get("/api/v1/weights/"))
         elif command == "cancel":
