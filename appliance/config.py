@@ -414,8 +414,11 @@ class GatewayConfig:
     host: str = _key("0.0.0.0", _host,  # noqa: S104
                      "address the gateway binds (users reach it here)")
     port: int = _key(8000, _port, "TCP port of the OpenAI-compatible endpoint")
-    max_concurrency: int = _key(0, _nonnegative, "requests forwarded at once; 0: the "
-                                "engine's max_running_requests from /server_info")
+    max_concurrency: int = _key(0, _nonnegative, "requests forwarded at once; 0: the running "
+                                "spec's qualified point, else the engine's "
+                                "max_running_requests from /server_info")
+    qualified_margin: int = _key(0, _nonnegative, "requests below the running spec's "
+                                 "qualified point the gateway admits at (appliance qualify)")
     queue_max: int = _key(512, _nonnegative, "requests waiting for a slot, over all keys")
     queue_wait_seconds: int = _key(60, _positive, "longest wait for a slot before 429")
     max_body_mib: int = _key(32, _positive, "largest request body accepted (413 above)")

@@ -303,6 +303,10 @@ class EngineStatusRow(Base):
     # While a qualification runs (appliance.qualify): the gateway refuses users (503) until
     # this instant. A lease the daemon renews, so a daemon that dies leaves it to lapse.
     qualifying_until: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # When the running qualification is expected to end (what the gateway's 503 says).
+    qualifying_ends_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # The launch spec of the engine followed (the gateway finds its qualification by it).
+    spec_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class GatewayKey(Base):

@@ -21,6 +21,7 @@ import contextlib
 import datetime as dt
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ from appliance.gateway.errors import GatewayError, rewrap_engine_error
 from appliance.gateway.keycache import presented_key
 from appliance.gateway.keys import KeyEntry
 from appliance.gateway.parts import GatewayParts
+from appliance.gateway.qualified import retry_after
 from appliance.gateway.sse import StreamMeter, Usage, usage_of
 from appliance.gateway.usage import UsageRecord
 from appliance.gateway.validate import ENDPOINTS, Endpoint, Parsed
@@ -46,6 +48,7 @@ FORWARDED_HEADERS = (b"accept", b"anthropic-version", b"anthropic-beta", b"x-req
 STREAM_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
                   (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 CLIENT_CLOSED = 499  # nginx's code for "the client went away"
+RECENT_DURATIONS = 256  # answered requests whose durations give the observed median
 
 
 @dataclass
@@ -75,6 +78,7 @@ class GatewayApp:
         self.queue_wait = float(parts.config.gateway.queue_wait_seconds)
         self.inflight: dict[int, int] = {}
         self.recent_seconds = 1.0  # moving mean of request durations, for Retry-After
+        self.recent_durations: deque[float] = deque(maxlen=RECENT_DURATIONS)
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -129,11 +133,12 @@ class GatewayApp:
         await parts.fresh(active=False)  # a probe does not keep the poll busy
         published = parts.gate.published
         admission = parts.admission
+        refusal = parts.gate.refusal()
         body: dict[str, Any] = {
             "engine": published.state if published else "unknown",
-            "admitting": parts.gate.open, "limit": admission.limit,
-            "admitted": admission.in_use, "queued": admission.waiting}
-        refusal = parts.gate.refusal()
+            "admitting": refusal is None, "limit": admission.limit,
+            "admitted": admission.in_use, "queued": admission.waiting,
+            "admission": parts.admission_limit.to_dict()}
         if refusal is None:
             await _respond(send, 200, msgspec.json.encode({"status": "ok", **body}))
             return
@@ -313,8 +318,8 @@ class GatewayApp:
 
     def _busy(self, *, full: bool) -> GatewayError:
         admission = self.parts.admission
-        ahead = admission.waiting + 1
-        retry = max(1, min(60, round(self.recent_seconds * ahead / admission.limit)))
+        retry = retry_after(admission.waiting + 1, admission.limit, self.parts.qualified,
+                            self.recent_durations, self.recent_seconds)
         if full:
             return GatewayError(429, "queue_full",
                                 f"the engine is busy ({admission.in_use} running, "
@@ -402,6 +407,8 @@ class GatewayApp:
         history = ""
         if ex.outcome == "ok":
             self.recent_seconds += (duration - self.recent_seconds) * 0.05
+            if parsed is not None and parsed.endpoint.generates:
+                self.recent_durations.append(duration)
             if ex.ttft is not None:
                 metrics.ttft.observe(ex.ttft)
             metrics.tokens.labels("prompt").inc(usage.prompt_tokens)

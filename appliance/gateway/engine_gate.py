@@ -7,21 +7,29 @@ figures are known, requests go through; otherwise each gets a 503 with Retry-Aft
 message that says the state and, during a start, the ETA. When the state turns serving,
 the gateway asks the engine for its effective `max_running_requests` (`/server_info`,
 summed over data-parallel ranks) and its context length (`/v1/models` `max_model_len`); an
-operator's `gateway.max_concurrency` overrides the first.
+operator's `gateway.max_concurrency` overrides the first. How many are admitted at once is
+decided from these with the qualified point (`appliance.gateway.qualified`).
+
+While a qualification runs (`Published.qualifying`) every request gets a 503 too, saying the
+box is being qualified and until when; the qualification's own load goes to the engine
+directly, never through here.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import math
 from typing import Any
 
+from appliance.clock import Clock, SystemClock
 from appliance.engine.publish import Published
 from appliance.gateway.errors import GatewayError
+from appliance.gateway.qualified import FALLBACK_LIMIT
 from appliance.gateway.upstream import Upstream
 
 log = logging.getLogger(__name__)
-FALLBACK_LIMIT = 32  # the engine did not say (an old or odd build): a cautious guess
+QUALIFYING_RETRY_MIN, QUALIFYING_RETRY_MAX = 5, 3600
 
 
 def engine_capacity(server_info: Any) -> int | None:
@@ -59,16 +67,35 @@ def unavailable(published: Published | None) -> GatewayError:
     return GatewayError(503, "engine_unavailable", message + "; retry later", retry_after=retry)
 
 
+def qualifying(published: Published, now: dt.datetime) -> GatewayError:
+    """The refusal while the box is being qualified: until the run's expected end when the
+    daemon published one (else the lease's), Retry-After the seconds to it."""
+    until = published.qualifying_ends_at or published.qualifying_until or now
+    if published.qualifying_until is not None and until < published.qualifying_until:
+        until = published.qualifying_until  # ran over its estimate: the lease is renewed
+    retry = min(QUALIFYING_RETRY_MAX,
+                max(QUALIFYING_RETRY_MIN, math.ceil((until - now).total_seconds())))
+    return GatewayError(503, "engine_qualifying",
+                        f"the box is being qualified (until {until:%H:%M:%S} UTC): its "
+                        "capacity is measured without users; retry then", retry_after=retry)
+
+
 class EngineGate:
-    def __init__(self, upstream: Upstream, override_limit: int) -> None:
+    def __init__(self, upstream: Upstream, override_limit: int,
+                 clock: Clock | None = None) -> None:
         self.upstream, self.override_limit = upstream, override_limit
+        self.clock = clock or SystemClock()
         self.published: Published | None = None
-        self.limit: int | None = None
+        self.limit: int | None = None  # the override, else the engine's, else a guess
+        self.engine_limit: int | None = None  # the engine's max_running_requests, as it said
         self.context_len: int | None = None
         self.open = False
 
     def refusal(self) -> GatewayError | None:
-        return None if self.open else unavailable(self.published)
+        published = self.published
+        if published is not None and published.qualifying(self.clock.now()):
+            return qualifying(published, self.clock.now())
+        return None if self.open else unavailable(published)
 
     async def refresh(self, published: Published | None) -> bool:
         """Take the newest published state (the poll reads it); True when the concurrency
@@ -93,4 +120,5 @@ class EngineGate:
         except Exception as exc:
             log.warning("could not read the engine's capacity (%s); using %s", exc,
                         self.override_limit or FALLBACK_LIMIT)
+        self.engine_limit = limit
         self.limit = self.override_limit or limit or FALLBACK_LIMIT

@@ -1,7 +1,8 @@
 """The gateway's composition root: `build_gateway(config, **overrides)` chooses every adapter
 the data plane uses (database, clock, engine URL), and `GatewayParts` starts and stops the
 background work: the poll of keys and engine state, and the usage writer. Admission's limit
-is set here and only here (`_apply_limit`), from what the poll learns.
+is set here and only here (`_apply_limit`), from what the poll learns: the running spec's
+qualified point from the ledger, else the engine's capacity (`appliance.gateway.qualified`).
 
 The poll runs every `poll_interval` (half a second) while the gateway has work, and backs off
 to `idle_poll_interval` once nothing has come for `idle_after` seconds, so an idle gateway
@@ -30,11 +31,18 @@ from appliance.db.database import Database
 from appliance.engine.publish import Published, read_published
 from appliance.gateway.admission import Admission
 from appliance.gateway.auth_throttle import AuthFailures
-from appliance.gateway.engine_gate import FALLBACK_LIMIT, EngineGate
+from appliance.gateway.engine_gate import EngineGate
 from appliance.gateway.history import HistoryTracker
 from appliance.gateway.keycache import KeyCache
 from appliance.gateway.limits import KeyLimiter
 from appliance.gateway.metrics import GatewayMetrics
+from appliance.gateway.qualified import (
+    FALLBACK_LIMIT,
+    AdmissionLimit,
+    QualifiedPoint,
+    QualifiedReader,
+    admission_limit,
+)
 from appliance.gateway.recorder import Recorder
 from appliance.gateway.upstream import Upstream
 from appliance.gateway.usage import tokens_today
@@ -88,6 +96,11 @@ class GatewayParts:
     _polls: int = 0  # good polls so far
     _polled: asyncio.Event | None = None  # set (and replaced) after each good poll
     kv_readings: int = 0  # readings of the engine's KV use so far
+    qualified_reader: QualifiedReader = field(default_factory=QualifiedReader)
+    qualified: QualifiedPoint | None = None  # the running spec's, as the last poll read it
+    admission_limit: AdmissionLimit = field(
+        default_factory=lambda: AdmissionLimit(FALLBACK_LIMIT, "unqualified: engine "
+                                               "max_running_requests"))
 
     async def start(self) -> None:
         await self.upstream.start()
@@ -109,12 +122,15 @@ class GatewayParts:
         await self.upstream.close()
 
     async def poll_once(self) -> None:
-        """One transaction for both: the key table's fingerprint (and the keys, when it
-        moved) and the engine's published state."""
+        """One transaction for all three: the key table's fingerprint (and the keys, when it
+        moved), the engine's published state, and the running spec's qualified point."""
 
         def read(session: Session) -> Published | None:
             self.keys.refresh_in(session)
-            return read_published(session)
+            published = read_published(session)
+            self.qualified = self.qualified_reader.read(
+                session, published.spec_hash if published is not None else None)
+            return published
 
         started = asyncio.get_running_loop().time()
         ticket = self.keys.poll_started()
@@ -122,8 +138,8 @@ class GatewayParts:
             published = await self.db.run(read)
         finally:
             self.keys.poll_done(ticket)  # failing keys wait for this (keycache)
-        if await self.gate.refresh(published):
-            self._apply_limit()
+        await self.gate.refresh(published)
+        self._apply_limit()
         await self._read_kv()
         self._polled_at = started
         self._polls += 1
@@ -132,11 +148,18 @@ class GatewayParts:
             self._polled = None
 
     def _apply_limit(self) -> None:
-        """The one place admission's limit is set: the engine's capacity as the gate learned
-        it (or the operator's override)."""
-        if self.gate.limit:
-            self.admission.set_limit(self.gate.limit)
-            log.info("admitting up to %d requests at once", self.gate.limit)
+        """The one place admission's limit is set (every poll; a change is logged): the
+        operator's override, else the running spec's qualified point less the margin, else
+        the engine's capacity as the gate learned it."""
+        gateway = self.config.gateway
+        decided = admission_limit(self.gate.engine_limit, self.qualified,
+                                  margin=gateway.qualified_margin,
+                                  override=gateway.max_concurrency)
+        if decided == self.admission_limit:
+            return
+        self.admission_limit = decided
+        self.admission.set_limit(decided.limit)
+        log.info("%s", decided.words())
 
     async def _read_kv(self) -> None:
         """The engine's free KV tokens for admission to weigh requests by, read while there
@@ -235,7 +258,7 @@ def build_gateway(config: Config, *, clock: Clock | None = None, db: Database | 
     return GatewayParts(
         config=config, clock=clock, db=db,
         keys=KeyCache(db, server_secret(config.paths.state_dir)),
-        gate=EngineGate(upstream, gateway.max_concurrency),
+        gate=EngineGate(upstream, gateway.max_concurrency, clock),
         admission=Admission(gateway.max_concurrency or FALLBACK_LIMIT, gateway.queue_max),
         limiter=KeyLimiter(), recorder=Recorder(db, clock, gateway.usage_retention_days),
         metrics=GatewayMetrics(), history=HistoryTracker(), upstream=upstream,

@@ -256,7 +256,7 @@ class QualifyService:
         record = await self.db.run(lambda s: ledger.open_qualification(
             s, spec_hash=planned.spec_hash, at=now, by=actor,
             engine_version=planned.engine_version, tuning=tuning, settings=planned.settings))
-        await self._close_gateway()
+        await self._close_gateway(now + dt.timedelta(seconds=planned.estimate_seconds))
         self._cancel = asyncio.Event()
         self._progress = Progress(record.id, now, planned.estimate_seconds,
                                   steps_total=len(planned.settings.ladder))
@@ -279,9 +279,11 @@ class QualifyService:
 
     # --- the run ---------------------------------------------------------------------------
 
-    async def _close_gateway(self) -> None:
+    async def _close_gateway(self, ends_at: dt.datetime | None = None) -> None:
+        """Take or renew the lease; `ends_at` (at the start): when the run should end, which
+        the gateway's refusals tell users."""
         until = self.clock.now() + dt.timedelta(seconds=LEASE_SECONDS)
-        await self.db.run(lambda s: write_qualifying(s, until))
+        await self.db.run(lambda s: write_qualifying(s, until, ends_at))
 
     async def _renew(self) -> None:
         while True:

@@ -1,0 +1,149 @@
+"""Admission from the qualification ledger (issue 15, "admission measured, not guessed"): how
+many requests the gateway lets into the engine at once, and where that figure comes from.
+
+The limit is, first match wins:
+
+1. `gateway.max_concurrency` when the operator set it (source `configured`);
+2. the running spec's qualified point less `gateway.qualified_margin` (at least 1, and never
+   above the engine's own `max_running_requests`), when the newest finished qualification of
+   the spec the engine runs (`ledger.qualification_for`, by the hash the daemon publishes)
+   found one (source `qualified`);
+3. the engine's `max_running_requests` from `/server_info` (source `unqualified: engine
+   max_running_requests`): what the engine can hold, not what it can serve at the floor.
+
+A request refused because the queue is full or its wait ran out is told when to retry
+(`retry_after`): the batches ahead of it, each taking as long as a full batch at the
+qualified point took in the qualification (the median over its repeats), never less than the
+median duration the gateway has seen lately.
+
+Pure, except `QualifiedReader.read`, which the gateway's poll calls inside its transaction.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from appliance.db.models import Qualification
+from appliance.qualify.ledger import Record, get_qualification
+from appliance.qualify.verdict import percentile
+
+QUALIFIED = "qualified"
+UNQUALIFIED = "unqualified: engine max_running_requests"
+CONFIGURED = "configured"
+FALLBACK_LIMIT = 32  # the engine did not say (an old or odd build): a cautious guess
+RETRY_MAX = 600  # seconds; a longer Retry-After is a guess no client should sleep on
+UNQUALIFIED_RETRY_MAX = 60
+
+
+@dataclass(frozen=True)
+class QualifiedPoint:
+    """What admission needs from one finished qualification that found a point."""
+
+    qid: int
+    point: int
+    floor: float
+    at: dt.datetime  # when it finished
+    batch_seconds: float | None  # a full batch at the point, start to last token (median)
+
+    def words(self) -> str:
+        return (f"qualified {self.at:%Y-%m-%d %H:%M:%S} UTC, floor {self.floor:g} tokens/s")
+
+
+def point_of(record: Record) -> QualifiedPoint | None:
+    """The qualified point of a finished qualification (None: it found none)."""
+    if record.state != "done" or record.qualified is None:
+        return None
+    step = next((s for s in record.steps if s.concurrency == record.qualified), None)
+    batches = [r.seconds for r in step.rounds if r.seconds > 0] if step else []
+    return QualifiedPoint(record.id, record.qualified, record.settings.floor,
+                          record.ended_at or record.started_at, percentile(batches, 50))
+
+
+class QualifiedReader:
+    """The running spec's qualified point, read in the poll's transaction. Each poll costs one
+    indexed look-up of the newest finished qualification's id; its steps are read and parsed
+    only when that id changes (a new qualification, or another spec running)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[str, int] | None = None
+        self._point: QualifiedPoint | None = None
+
+    def read(self, session: Session, spec_hash: str | None) -> QualifiedPoint | None:
+        if spec_hash is None:
+            self._key, self._point = None, None
+            return None
+        qid = session.scalar(
+            select(Qualification.id)
+            .where(Qualification.spec_hash == spec_hash, Qualification.state == "done")
+            .order_by(Qualification.id.desc()).limit(1))
+        if qid is None:
+            self._key, self._point = None, None
+            return None
+        if self._key != (spec_hash, qid):
+            record = get_qualification(session, qid)
+            self._point = None if record is None else point_of(record)
+            self._key = (spec_hash, qid)
+        return self._point
+
+
+@dataclass(frozen=True)
+class AdmissionLimit:
+    """The global limit and why it is that (`source`: QUALIFIED, UNQUALIFIED or CONFIGURED)."""
+
+    limit: int
+    source: str
+    qualified: QualifiedPoint | None = None
+
+    def words(self) -> str:
+        """What the dashboard, the Usage page and `/health` say."""
+        if self.source == QUALIFIED and self.qualified is not None:
+            return f"admitting up to {self.limit} at a time ({self.qualified.words()})"
+        if self.source == CONFIGURED:
+            return (f"admitting up to {self.limit} at a time (gateway.max_concurrency; "
+                    + (f"the running spec is qualified at {self.qualified.point})"
+                       if self.qualified else "the running spec is unqualified)"))
+        return (f"unqualified: admitting up to {self.limit} at a time, the engine's "
+                "max_running_requests, which says what the engine can hold, not what it can "
+                "serve at the floor speed; qualify the box to admit at a measured point")
+
+    def to_dict(self) -> dict[str, object]:
+        body: dict[str, object] = {"limit": self.limit, "source": self.source,
+                                   "words": self.words()}
+        if self.qualified is not None:
+            q = self.qualified
+            body["qualification"] = {"id": q.qid, "point": q.point, "floor": q.floor,
+                                     "at": q.at.isoformat(), "batch_seconds": q.batch_seconds}
+        return body
+
+
+def admission_limit(engine_limit: int | None, qualified: QualifiedPoint | None, *,
+                    margin: int = 0, override: int = 0) -> AdmissionLimit:
+    """The limit by the rules of the module doc."""
+    if override > 0:
+        return AdmissionLimit(override, CONFIGURED, qualified)
+    if qualified is not None:
+        limit = max(1, qualified.point - max(0, margin))
+        if engine_limit:
+            limit = min(limit, engine_limit)
+        return AdmissionLimit(limit, QUALIFIED, qualified)
+    return AdmissionLimit(engine_limit or FALLBACK_LIMIT, UNQUALIFIED)
+
+
+def retry_after(ahead: int, limit: int, qualified: QualifiedPoint | None,
+                durations: Sequence[float], fallback_seconds: float) -> int:
+    """Seconds a refused request should wait: `ahead` requests (itself included) before it
+    get `limit` slots, batch after batch (module doc). Without a measured batch, the old
+    estimate: the recent mean duration (`fallback_seconds`) times the batches, up to 60 s."""
+    median = percentile(durations, 50) or 0.0
+    batches = math.ceil(max(1, ahead) / max(1, limit))
+    if qualified is not None and qualified.batch_seconds:
+        estimate = max(batches * qualified.batch_seconds, median)
+        return max(1, min(RETRY_MAX, math.ceil(estimate)))
+    estimate = max(fallback_seconds * ahead / max(1, limit), median)
+    return max(1, min(UNQUALIFIED_RETRY_MAX, round(estimate)))
