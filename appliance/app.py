@@ -37,9 +37,9 @@ from appliance.api.routes import api_router
 from appliance.api.tuning import tuning_router
 from appliance.api.usage import usage_router
 from appliance.api.weights import weights_router
+from appliance.auth.guards import require_role
 from appliance.auth.middleware import CSRF_COOKIE, PUBLIC_PATHS, AdminAuthMiddleware
 from appliance.edge import ConsoleEdge, control_refusal, secure
-from appliance.auth.guards import require_role
 from appliance.engine.schedule import restore_scheduled
 from appliance.errors import ApplianceError
 from appliance.health.jobs import schedule_health
@@ -213,12 +213,12 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
             create_static_files_router(path="/static", directories=[static_dir()],
                                        include_in_schema=False),
         ],
+        guards=[require_role],  # the one role check of every route (auth/roles.py's table)
         middleware=[ConsoleEdge,
                     DefineMiddleware(HostGuard, allowed=config.server.allowed_hosts), auth],
         csrf_config=csrf,
         template_config=TemplateConfig(
             directory=templates_dir(), engine=JinjaTemplateEngine,
-        guards=[require_role],  # the one role check of every route (auth/roles.py's table)
             engine_callback=configure_templates,
         ),
         openapi_config=OpenAPIConfig(
