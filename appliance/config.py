@@ -438,6 +438,42 @@ def _backup_schedule(value: str) -> str | None:
     return None if ok else '"off" or "daily HH:MM" (24-hour, the box\'s local time)'
 
 
+CELL_ROLES = ("unified", "prefill", "decode")
+TRANSFER_BACKENDS = ("mooncake", "nixl")  # of SGLang's choices, the two that move KV over RDMA
+
+
+def _cell_role(value: str) -> str | None:
+    return None if value in CELL_ROLES else "one of " + ", ".join(CELL_ROLES)
+
+
+def _transfer_backend(value: str) -> str | None:
+    return None if value in TRANSFER_BACKENDS else "one of " + ", ".join(TRANSFER_BACKENDS)
+
+
+def _ratio_or_unset(value: float) -> str | None:
+    ok = math.isfinite(value) and value >= 0
+    return None if ok else "0 (SGLang sizes the host pool) or a positive number"
+
+
+@dataclasses.dataclass(frozen=True)
+class CellConfig:
+    """This box's part in a cell of boxes: prefill/decode disaggregation on SGLang's own
+    router (issue 17). `unified` is a box serving alone and adds nothing to the engine's argv;
+    `prefill` and `decode` add SGLang's --disaggregation-* flags (engine/args.py, role layer)."""
+
+    role: str = _key("unified", _cell_role, "unified (serves alone), prefill or decode")
+    transfer_backend: str = _key("mooncake", _transfer_backend,
+                                 "--disaggregation-transfer-backend: mooncake or nixl")
+    ib_device: str = _key("", doc="--disaggregation-ib-device (e.g. mlx5_0,mlx5_1); empty: "
+                          "the backend picks")
+    bootstrap_port: int = _key(8998, _port, "--disaggregation-bootstrap-port: the prefill's "
+                               "bootstrap server (SGLang's default 8998)")
+    hierarchical_cache: bool = _key(False, doc="prefill only: --enable-hierarchical-cache "
+                                    "(prefix KV also kept in host DRAM)")
+    hicache_ratio: float = _key(0.0, _ratio_or_unset, "--hicache-ratio (host pool : GPU pool); "
+                                "0: SGLang sizes it to fit host memory")
+
+
 @dataclasses.dataclass(frozen=True)
 class BackupConfig:
     """Scheduled backups (`appliance backup` by hand takes the same kind): where, when, how
@@ -469,6 +505,7 @@ class Config:
     gateway: GatewayConfig = dataclasses.field(default_factory=GatewayConfig)
     health: HealthConfig = dataclasses.field(default_factory=HealthConfig)
     backup: BackupConfig = dataclasses.field(default_factory=BackupConfig)
+    cell: CellConfig = dataclasses.field(default_factory=CellConfig)
     source: str = "built-in defaults"
     dev: bool = False
 
@@ -499,6 +536,7 @@ SECTIONS: dict[str, type[Any]] = {
     "health": HealthConfig,
     "backup": BackupConfig,
     "oidc": OidcConfig,
+    "cell": CellConfig,
 }
 
 
@@ -714,10 +752,24 @@ def _cross_check(config: Config) -> None:
             "both set (HTTPS) or neither (HTTP)",
         )
     _cross_check_sso(config)
+    _cross_check_cell(config)
     for key, path in (("server.tls_cert", server.tls_cert), ("server.tls_key", server.tls_key),
                       ("gateway.tls_cert", gateway.tls_cert), ("gateway.tls_key", gateway.tls_key)):
         if path is not None and not path.is_file():
             raise ConfigError(config.source, key, f"{path} (missing)", "a readable PEM file")
+
+
+def _cross_check_cell(config: Config) -> None:
+    cell = config.cell
+    if cell.hierarchical_cache and cell.role != "prefill":
+        raise ConfigError(config.source, "cell.hierarchical_cache", f"true while cell.role is "
+                          f"{cell.role}", "false, or cell.role = \"prefill\" (the member that "
+                          "keeps long prefixes; docs/configuration.md, [cell])")
+    if cell.role == "prefill" and cell.bootstrap_port in (config.engine.port, config.server.port,
+                                                           config.gateway.port):
+        raise ConfigError(config.source, "cell.bootstrap_port",
+                          f"{cell.bootstrap_port}, already the engine's, console's or gateway's "
+                          "port", "a port of its own (SGLang's default 8998)")
 
 
 def _cross_check_sso(config: Config) -> None:

@@ -2,8 +2,9 @@
 
 A launch spec is everything the engine unit runs: the program (from the config), `serve`, the
 flags, and the environment added to the unit's own. Each flag carries its provenance: which
-layer set it (built-in K3 default < workload profile < tuning < operator) and what it replaced,
-so the console can answer "why is --mamba-full-memory-ratio 2.5?" without guessing. The spec is
+layer set it (built-in K3 default < workload profile < tuning < cell role < operator) and
+what it replaced, so the console can answer "why is --mamba-full-memory-ratio 2.5?" without
+guessing. The spec is
 hashed over what actually runs (command, argv, env), not over provenance: two specs with the
 same hash launch the same engine, which is how a running engine is adopted after a restart.
 
@@ -48,6 +49,20 @@ Why the K3 defaults are what they are (SGLang 0.5.23 source, under sglang/srt/):
                             without `Authorization: Bearer <key>` (utils/auth.py). Set last,
                             after the operator's flags: an operator --config would drop the
                             key (SGLang reads one config file only).
+The role layer (config `[cell]`, `role_args`): a box in a cell of boxes (issue 17) runs as
+SGLang's own prefill or decode server; `unified`, the default, adds nothing, so every existing
+spec keeps its argv and its hash. Flag names and defaults are 0.5.23's
+(srt/arg_groups/fields/disagg.py:55-87, fields/memory.py:98-112):
+  --disaggregation-mode prefill|decode
+  --disaggregation-transfer-backend mooncake|nixl   (both roles: sender and receiver must match)
+  --disaggregation-ib-device DEVS   only when set; absent, the backend picks its devices
+  --disaggregation-bootstrap-port P prefill only: the port its bootstrap server binds
+                            (managers/disagg_service.py starts it for prefill alone; a decode
+                            server learns each request's bootstrap_host/port from the router)
+  --enable-hierarchical-cache [--hicache-ratio R]
+                            prefill only, when cell.hierarchical_cache: prefix KV also in host
+                            DRAM; the ratio only when set (>0): without it SGLang sizes the
+                            host pool to fit host memory (arg_groups/hicache_hook.py:100-126)
 See ENV_REASONS for the environment.
 """
 
@@ -68,7 +83,7 @@ from appliance.engine import flags
 from appliance.secrets import engine_auth_path
 
 if TYPE_CHECKING:
-    from appliance.config import Config
+    from appliance.config import CellConfig, Config
 
 SPEC_FORMAT = 1
 DSPARK = "DSPARK"
@@ -100,6 +115,7 @@ class Origin(enum.Enum):
     DEFAULT = "default"
     PROFILE = "profile"
     TUNING = "tuning"
+    ROLE = "role"  # the box's part in a cell (config [cell]); nothing for a unified box
     OPERATOR = "operator"
 
 
@@ -137,9 +153,10 @@ class ArgSource:
 class LaunchInputs:
     """Everything the launch spec is built from; `inputs_from_config` fills it from the config.
 
-    `profile_args` and `tuning_args` are (flag, value) pairs, value None for a switch, e.g.
-    (("--mamba-full-memory-ratio", "2.5"),). `operator_args` are raw command-line tokens from
-    the config (engine.extra_args) or the console, e.g. ("--watchdog-timeout", "600").
+    `profile_args`, `tuning_args` and `role_args` are (flag, value) pairs, value None for a
+    switch, e.g. (("--mamba-full-memory-ratio", "2.5"),). `operator_args` are raw command-line
+    tokens from the config (engine.extra_args) or the console, e.g. ("--watchdog-timeout",
+    "600").
     """
 
     model_path: Path
@@ -154,6 +171,7 @@ class LaunchInputs:
     speculative: bool
     profile_args: tuple[tuple[str, str | None], ...] = ()
     tuning_args: tuple[tuple[str, str | None], ...] = ()
+    role_args: tuple[tuple[str, str | None], ...] = ()
     operator_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
     # The engine's --config file holding its API key (None: an engine without a key, e.g. a
@@ -262,9 +280,30 @@ def inputs_from_config(
         speculative=engine.speculative,
         profile_args=profile_args,
         tuning_args=tuning_args,
+        role_args=role_args(config.cell),
         operator_args=engine.extra_args,
         engine_auth=engine_auth_path(config.paths.state_dir),
     )
+
+
+def role_args(cell: CellConfig) -> tuple[tuple[str, str | None], ...]:
+    """The flags of the box's cell role, in argv order (the module docstring says why each);
+    none for a unified box."""
+    if cell.role not in ("prefill", "decode"):
+        return ()
+    pairs: list[tuple[str, str | None]] = [
+        ("--disaggregation-mode", cell.role),
+        ("--disaggregation-transfer-backend", cell.transfer_backend),
+    ]
+    if cell.ib_device:
+        pairs.append(("--disaggregation-ib-device", cell.ib_device))
+    if cell.role == "prefill":
+        pairs.append(("--disaggregation-bootstrap-port", str(cell.bootstrap_port)))
+        if cell.hierarchical_cache:
+            pairs.append(("--enable-hierarchical-cache", None))
+            if cell.hicache_ratio > 0:
+                pairs.append(("--hicache-ratio", repr(cell.hicache_ratio)))
+    return tuple(pairs)
 
 
 def default_args(inputs: LaunchInputs) -> list[tuple[str, str | None]]:
@@ -311,7 +350,7 @@ def resolve_program(program: str) -> str:
 def build_launch_spec(command: Sequence[str], inputs: LaunchInputs) -> LaunchSpec:
     """The launch spec for `command` (the program and its leading arguments, from the config).
 
-    Layers apply in order default, profile, tuning, operator; a later layer's value for a flag
+    Layers apply in order default, profile, tuning, role, operator; a later layer's value for a flag
     replaces the earlier one in place (the flag keeps its position) and the note records what
     it replaced. Flags new to the argv are appended in the order they were given. The one
     look at the filesystem: the program's directory is resolved (`resolve_program`).
@@ -325,6 +364,7 @@ def build_launch_spec(command: Sequence[str], inputs: LaunchInputs) -> LaunchSpe
         (Origin.DEFAULT, _pairs(default_args(inputs))),
         (Origin.PROFILE, _pairs(inputs.profile_args)),
         (Origin.TUNING, _pairs(inputs.tuning_args)),
+        (Origin.ROLE, _pairs(inputs.role_args)),
         (Origin.OPERATOR, split_args(inputs.operator_args)),
     ]
     if inputs.engine_auth is not None:  # last: the engine must never run without its key

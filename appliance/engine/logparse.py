@@ -51,6 +51,14 @@ Decisions the log format forces:
   `marked=False`. A `ValueError` traceback SGLang prints before `server_args` has no marker:
   it reads as the tail of the run before it.
 
+- **Disaggregation (a cell's prefill or decode engine) is not a startup failure.** A KV transfer
+  that fails or times out, or a peer that goes away, fails requests while the engine keeps
+  serving (SGLang aborts them with a 500 and carries on), so those lines never set `failure`:
+  they fold into `transfer_issues`, one `TransferIssue` per kind with a count, the latest line,
+  the peer it names and a hint. `bootstrap_server` is where a prefill engine's bootstrap server
+  listens, from its `... started successfully on HOST:PORT` line. A bootstrap port another
+  process holds is still the bind failure above, its hint naming the bootstrap port.
+
 Long for one reason: it is the whole grammar of one log format (markers, `server_args`, the
 failure table), so a new SGLang release's wording changes are one file's diff.
 """
@@ -78,6 +86,11 @@ class Phase(enum.Enum):
 
 Reason = Literal[
     "out_of_memory", "scheduler_died", "signal", "bad_argument", "weights_error", "unknown"
+]
+# What went wrong between a cell's prefill and decode engines (see `TransferIssue`).
+IssueKind = Literal[
+    "bootstrap_timeout", "waiting_timeout", "peer_lost", "layout_mismatch", "handshake_failed",
+    "register_failed", "transfer_failed",
 ]
 
 
@@ -188,6 +201,24 @@ class Failure:
 
 
 @dataclass(frozen=True)
+class TransferIssue:
+    """One kind of prefill/decode trouble, as SGLang 0.5.23's disaggregation code logs it.
+
+    `count` counts the log lines that reported it (a lost peer is one summary line plus one line
+    per failed request); `line` is the latest of them, without its prefix, and `peer` the
+    latest bootstrap address one named. `first_at`/`last_at` are log timestamps.
+    """
+
+    kind: IssueKind
+    count: int
+    line: str
+    hint: str
+    peer: str | None = None
+    first_at: str | None = None
+    last_at: str | None = None
+
+
+@dataclass(frozen=True)
 class LogState:
     """Everything learnt from the records fed so far; see the module docstring for invariants.
 
@@ -215,6 +246,8 @@ class LogState:
     startup_timings: tuple[tuple[str, float], ...] = ()
     ready: bool = False
     failure: Failure | None = None
+    bootstrap_server: str | None = None
+    transfer_issues: tuple[TransferIssue, ...] = ()
     lines: int = 0
     last_timestamp: str | None = None
     last_rank: int | None = None
@@ -670,6 +703,93 @@ def _on_ready(state: LogState, msg: str, rank: int | None, ts: str) -> LogState 
     return replace(_advance(state, Phase.READY, ts), ready=True)
 
 
+_BOOTSTRAP_UP = "KVBootstrapServer started successfully on "  # common/conn.py:3321
+_PEER = re.compile(r"bootstrap_addr: ?([^\s),]{1,300})")
+_SESSION_FAILED = re.compile(r"Session \S{1,300} failed\.")
+_BOOT_TIMEOUT = "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"
+_WAIT_TIMEOUT = "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"
+# (kind, any of these in the message), most specific first: a request's failure line carries
+# its cause after "with exception", so the cause decides. Strings from SGLang 0.5.23's
+# srt/disaggregation/: common/conn.py, mooncake/conn.py, prefill.py, decode.py.
+_ISSUES: tuple[tuple[IssueKind, tuple[str, ...]], ...] = (
+    ("bootstrap_timeout", ("in KVPoll.Bootstrapping",
+                           "Some requests timed out when bootstrapping")),
+    ("waiting_timeout", ("in KVPoll.WaitingForInput", "Timed out waiting for prefill completion",
+                         "fail to receive KV Cache transfer done signal")),
+    ("transfer_failed", ("Transfer thread failed because of",)),
+    ("peer_lost", ("Lost connection with prefill instance", "is healthy before, but now it is down",
+                   "Decode instance could be dead", "from prefill instance, it might be dead")),
+    ("layout_mismatch", ("mismatch: prefill server has", "Both servers must use the same")),
+    ("register_failed", ("Prefill instance failed to register to bootstrap server",)),
+    ("handshake_failed", ("Decode handshake failed for request", "Prefill bootstrap failed for "
+                          "request", "Could not fetch prefill parallel info from",
+                          "Error fetching prefill info from bootstrap",
+                          "Error fetching prefill server info from bootstrap",
+                          "Failed to get prefill server info")),
+    ("transfer_failed", ("Prefill transfer failed for request", "Decode transfer failed for "
+                         "request", "Failed to send kv chunk of")),
+)
+_ISSUE_HINTS: dict[IssueKind, str] = {
+    "bootstrap_timeout": (
+        "The decode engine the router paired with this prefill never asked for these "
+        f"requests' KV within {_BOOT_TIMEOUT} (300 s): check that the decode box is up and "
+        "reaches this box's bootstrap port; if it is only slow (a long decode queue), raise "
+        f"{_BOOT_TIMEOUT} in the engine's environment. The engine itself needs no restart."),
+    "waiting_timeout": (
+        f"The prefill engine did not finish sending these requests' KV within {_WAIT_TIMEOUT} "
+        "(300 s): check the prefill box's queue and health, and the RDMA link "
+        f"(cell.ib_device, `ibv_devinfo`); raise {_WAIT_TIMEOUT} only if a slower first token "
+        "is acceptable. The engine itself needs no restart."),
+    "peer_lost": (
+        "The other member of the pair went away mid-transfer (its heartbeat or its transfer "
+        "session failed), so its requests failed: bring that box's engine back (its own log "
+        "says why it stopped); this engine keeps serving and needs no restart."),
+    "layout_mismatch": (
+        "The prefill and decode engines lay out KV differently, so no request can be handed "
+        "over: give both the same --page-size, --kv-cache-dtype and attention backends (the "
+        "same profile and SGLang pin on every member), then restart the one that differs."),
+    "register_failed": (
+        "The prefill engine could not register with its own bootstrap server, so decode "
+        "engines cannot find its ranks: check that nothing else holds cell.bootstrap_port on "
+        "this box (`ss -ltnp`), then restart this engine."),
+    "handshake_failed": (
+        "A decode engine could not reach the prefill's bootstrap server or agree on a handover: "
+        "check that the router's --prefill names the prefill's cell.bootstrap_port, that the "
+        "port is open between the boxes, and that the prefill engine is up."),
+    "transfer_failed": (
+        "Moving KV between the boxes failed: check the RDMA link on both (cell.ib_device, "
+        "`ibv_devinfo`, `ibstat`) and that both engines use the same cell.transfer_backend; "
+        "requests that failed this way got a 500, the engines keep serving."),
+}
+
+
+def _on_bootstrap_up(state: LogState, msg: str, rank: int | None, ts: str) -> LogState | None:
+    at = msg.find(_BOOTSTRAP_UP)
+    if at < 0:
+        return None
+    return replace(state, bootstrap_server=msg[at + len(_BOOTSTRAP_UP):].strip()[:300] or None)
+
+
+def _on_transfer_issue(state: LogState, msg: str, rank: int | None, ts: str) -> LogState | None:
+    kind = next((k for k, markers in _ISSUES if any(m in msg for m in markers)), None)
+    if kind is None and _SESSION_FAILED.fullmatch(msg.strip()):
+        kind = "transfer_failed"
+    if kind is None:
+        return None
+    peer = _PEER.search(msg)
+    line = msg.strip()[:2000]
+    issues = list(state.transfer_issues)
+    at = next((i for i, issue in enumerate(issues) if issue.kind == kind), None)
+    if at is None:
+        issues.append(TransferIssue(kind, 1, line, _ISSUE_HINTS[kind],
+                                    peer.group(1) if peer else None, ts, ts))
+    else:
+        old = issues[at]
+        issues[at] = replace(old, count=old.count + 1, line=line, last_at=ts,
+                             peer=peer.group(1) if peer else old.peer)
+    return replace(state, transfer_issues=tuple(issues))
+
+
 def _on_warning(state: LogState, msg: str, rank: int | None, ts: str) -> LogState | None:
     if not msg.startswith(_WARNINGS):
         return None
@@ -682,6 +802,7 @@ def _on_warning(state: LogState, msg: str, rank: int | None, ts: str) -> LogStat
 _MESSAGE_HANDLERS: tuple[_Handler, ...] = (
     _on_server_args, _on_weight_begin, _on_weight_end, _on_mamba, _on_kv, _on_pool_end,
     _on_capture, _on_figures, _on_timings, _on_uvicorn, _on_ready, _on_warning,
+    _on_bootstrap_up, _on_transfer_issue,
 )
 
 
@@ -848,9 +969,7 @@ def _classify(state: LogState, text: str, rank: int | None, *, bare: bool) -> _F
             "the manifest and re-download the bad one; restarting alone fails the same way."))
     bind = _BIND_FAILED.search(text)
     if bind is not None:
-        return _Finding("bad_argument", None, (
-            f"Another process holds {bind.group(1)}, so the engine could not open its HTTP port "
-            "after loading: stop that process or choose another --port before restarting."))
+        return _Finding("bad_argument", None, _bind_hint(state, bind.group(1)))
     if bare and (_ARGPARSE_ERROR.fullmatch(text) or (
         text.startswith("ValueError: ") and not state.server_args and state.last_rank is None
     )):
@@ -889,6 +1008,17 @@ def _classify(state: LogState, text: str, rank: int | None, *, bare: bool) -> _F
             "Startup failed for a reason this parser does not classify: read the error above "
             "this line (or the warmup traceback in it) before restarting."))
     return None
+
+
+def _bind_hint(state: LogState, address: str) -> str:
+    port = state.server_arg("disaggregation_bootstrap_port")
+    if state.server_arg("disaggregation_mode") == "prefill" and port and \
+            address.rstrip(")").endswith(f", {port}"):
+        return (f"Another process holds {address}, this prefill engine's bootstrap port, so "
+                "decode engines cannot reach it: stop that process or choose another "
+                "cell.bootstrap_port (and the router's --prefill port) before restarting.")
+    return (f"Another process holds {address}, so the engine could not open its HTTP port "
+            "after loading: stop that process or choose another --port before restarting.")
 
 
 def _now(state: LogState) -> str:

@@ -44,6 +44,7 @@ _WHERE = {
     Origin.OPERATOR: "fix it in engine.extra_args (config) or the console's engine flags",
     Origin.PROFILE: "it comes from the workload profile; choose or fix the profile",
     Origin.TUNING: "it comes from the applied tuning result; re-run or revert the tuning",
+    Origin.ROLE: "it comes from the box's cell role; fix the [cell] section of the config",
     Origin.DEFAULT: "it is a built-in default: an appliance bug, please report it",
 }
 

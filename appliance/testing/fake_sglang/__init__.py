@@ -20,6 +20,9 @@ light child per tensor-parallel rank and a detokenizer) that
 - tells tests what its scheduler saw: `GET /emulator/stats` (running, waiting, peak running,
   requests started, finished and aborted) and `POST /emulator/stats/reset`, an emulator-only
   extension;
+- plays a cell's prefill or decode engine (`--disaggregation-mode prefill|decode`,
+  `disagg.py`): SGLang's bootstrap server on the prefill, the request's "KV" handed to the
+  decode engine that names the same bootstrap room, SGLang's timeouts and failure lines;
 - drains on SIGTERM like SGLang, and fails on demand (`FAKE_SGLANG_FAULT`, see `faults.py`);
 - optionally serves like the box under load (`FAKE_SGLANG_PERF=k3-b300`, a calibrated step,
   prefill and KV-pool model with SGLang's retraction and waiting timeout, on a clock

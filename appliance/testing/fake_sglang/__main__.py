@@ -7,8 +7,9 @@ Environment:
     FAKE_SGLANG_PERF           the serving performance model (`perfmodel.py`), e.g. `k3-b300`
     FAKE_SGLANG_TIME_SCALE     real seconds per modelled second, e.g. 0.05 (with FAKE_SGLANG_PERF)
     FAKE_SGLANG_GPU_STATE      a JSON file to write the pretend GPUs' memory to (`gpustate.py`)
-    SGLANG_HEALTH_CHECK_TIMEOUT, SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION, SGL_FORCE_SHUTDOWN
-                               honoured as SGLang does
+    SGLANG_HEALTH_CHECK_TIMEOUT, SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION, SGL_FORCE_SHUTDOWN,
+    SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT, SGLANG_DISAGGREGATION_WAITING_TIMEOUT
+                               honoured as SGLang does (the last two: `disagg.py`)
 Exit codes: 0 after a SIGTERM drain; 2 for a bad argv (argparse) or a bad FAKE_SGLANG_* value;
 1 for a dead rank during startup or a refused argv; -9 (SIGKILL) after a child crash; -15 when
 SIGTERM arrives before the server is ready (Python's default action, as in SGLang).

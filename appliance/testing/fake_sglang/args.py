@@ -285,6 +285,15 @@ class ServeArgs:
         return self._bool("skip_server_warmup")
 
     @property
+    def disaggregation_mode(self) -> str:
+        """null (serves alone), prefill or decode: a cell's engine (`disagg.py`)."""
+        return self._str("disaggregation_mode") or "null"
+
+    @property
+    def disaggregation_bootstrap_port(self) -> int:
+        return self._int("disaggregation_bootstrap_port") or 8998
+
+    @property
     def launch_command(self) -> str:
         return "sglang serve " + shlex.join(self.argv)
 

@@ -40,6 +40,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from appliance.testing.fake_sglang.args import ServeArgs
 from appliance.testing.fake_sglang.faults import Faults
@@ -55,6 +56,9 @@ from appliance.testing.fake_sglang.memory import Capacity
 from appliance.testing.fake_sglang.perfmodel import PerfModel
 from appliance.testing.fake_sglang.prefixcache import PrefixCache
 from appliance.testing.fake_sglang.scheduler import Scheduler, Seq, Step
+
+if TYPE_CHECKING:
+    from appliance.testing.fake_sglang.disagg import Bootstrap, Handover
 
 WORDS = (
     "emulated", "tokens", "from", "fake_sglang", "the", "appliance", "test", "instrument",
@@ -105,6 +109,7 @@ class Request:
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     admitted: asyncio.Event = field(default_factory=asyncio.Event)
+    bootstrap: Bootstrap | None = None  # a cell's request: where its KV comes from (disagg.py)
 
     @property
     def text(self) -> str:
@@ -165,6 +170,11 @@ class Core:
         self._mailboxes: dict[str, Mailbox] = {}
         self._modelled: dict[str, Request] = {}
         self._stepper: asyncio.Task[None] | None = None
+        self.handover: Handover | None = None
+        if args.disaggregation_mode in ("prefill", "decode"):
+            from appliance.testing.fake_sglang.disagg import Handover
+
+            self.handover = Handover(args, log, self.time_scale)
 
     # -- planning -------------------------------------------------------------------------
     def plan(self, prompt: Prompt, max_tokens: int | None, min_tokens: int = 0,
@@ -308,7 +318,35 @@ class Core:
 
     async def generate(self, req: Request) -> AsyncGenerator[str, None]:
         """The request's tokens, paced; queued first when every running slot is taken. Closing
-        the iterator early (a client that went away) aborts the request."""
+        the iterator early (a client that went away) aborts the request. A cell's request
+        (`req.bootstrap`, on a prefill or decode engine) hands its KV over first, and a
+        prefill's one token waits for the handover (`disagg.py`; failures raise
+        `EngineAbort`)."""
+        handover, boot = self.handover, req.bootstrap
+        if handover is None or boot is None:
+            async with contextlib.aclosing(self._generate(req)) as tokens:
+                async for token in tokens:
+                    yield token
+            return
+        await handover.before(req, boot)
+        held: list[str] = []
+        finished = False
+        try:
+            async with contextlib.aclosing(self._generate(req)) as tokens:
+                async for token in tokens:
+                    if handover.prefill:
+                        held.append(token)
+                    else:
+                        yield token
+            finished = True
+        finally:
+            if handover.prefill:
+                handover.sent(req, boot, finished)
+        if handover.prefill:
+            for token in held:
+                yield token
+
+    async def _generate(self, req: Request) -> AsyncGenerator[str, None]:
         self.num_requests_total += 1
         self.prompt_tokens_total += req.prompt_tokens
         if self.engine is not None:

@@ -90,6 +90,8 @@ class Lifecycle:
         task.add_done_callback(self.tasks.discard)
 
     async def run(self) -> int:
+        if self.core.handover is not None:  # a cell's prefill: its bootstrap server
+            await self.core.handover.start()
         app = App(self.args, self.cap, self.model, self.timings, self.core, self.log)
         config = uvicorn.Config(app, host=self.args.host, port=self.args.port,
                                 log_config=log_config(), lifespan="on", timeout_keep_alive=5,
@@ -128,6 +130,8 @@ class Lifecycle:
         await self.done.wait()
         server.should_exit = True
         await serving
+        if self.core.handover is not None:
+            await self.core.handover.stop()
         for task in list(self.tasks):
             task.cancel()
         self.gpu.clear(self.args.tp_size)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from http import HTTPStatus
 
 from appliance.testing.fake_sglang import protocol as oai
 from appliance.testing.fake_sglang.args import ServeArgs
@@ -28,13 +29,14 @@ from appliance.testing.fake_sglang.asgi import (
 )
 from appliance.testing.fake_sglang.chat import ChatChunks, ChatPlan, chat_response, plan_chat
 from appliance.testing.fake_sglang.core import Core, EngineAbort, Request
+from appliance.testing.fake_sglang.disagg import bootstrap_of
 from appliance.testing.fake_sglang.memory import Capacity
 
 DONE = "data: [DONE]\n\n"
 
 
 def abort_body(exc: EngineAbort) -> dict[str, object]:
-    return oai.error_body(exc.message, exc.status, "SERVICE_UNAVAILABLE")
+    return oai.error_body(exc.message, exc.status, HTTPStatus(exc.status).name)
 
 
 class OpenAIServing:
@@ -67,6 +69,7 @@ class OpenAIServing:
         except oai.BadRequest as exc:
             await respond(send, 400, oai.error_body(exc.message, param=exc.param))
             return
+        plan.req.bootstrap = bootstrap_of(body)
         if plan.params.stream:
             await until_disconnect(self.chat_stream(plan, send), receive)
         elif await self.finished(plan.req, receive, send):
@@ -114,6 +117,7 @@ class OpenAIServing:
             await respond(send, 400, oai.error_body(too_long))
             return
         req = self.core.plan(prompt, params.max_tokens, params.min_tokens, params.ignore_eos)
+        req.bootstrap = bootstrap_of(body)
         model = str(body.get("model") or self.args.served_model_name)
         if params.stream:
             await until_disconnect(self.completion_stream(req, model, params, send), receive)
@@ -156,6 +160,7 @@ class OpenAIServing:
             await respond(send, 400, oai.error_body(exc.message, param=exc.param))
             return
         req = self.core.plan(prompt, params.max_tokens, params.min_tokens, params.ignore_eos)
+        req.bootstrap = bootstrap_of(body)
         if not params.stream:
             if await self.finished(req, receive, send):
                 await respond(send, 200, oai.generate_response(req, started))

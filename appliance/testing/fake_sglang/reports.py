@@ -77,7 +77,7 @@ def model_info(args: ServeArgs, model: Model) -> dict[str, Any]:
         "load_format": "auto",
         "reasoning_parser": args.values.get("reasoning_parser"),
         "tool_call_parser": args.values.get("tool_call_parser"),
-        "disaggregation_mode": "null",
+        "disaggregation_mode": args.disaggregation_mode,
         "has_image_understanding": model.model_type == "kimi_k3",
         "has_audio_understanding": False,
         "model_type": model.model_type,
