@@ -56,7 +56,7 @@ NOW = dt.datetime(2026, 12, 9, 12, 0, tzinfo=dt.UTC)
 USERS = {Role.VIEWER: "vera", Role.OPERATOR: "otto", Role.ADMIN: "alice"}
 # A value for each path parameter, so every route can be requested.
 PARAMS = {"action": "start", "action_id": "1", "prefix": "deadbeef", "name": "nosuch",
-          "check": "gpu", "qid": "1", "file_path": "app.css", "path": "x"}
+          "check": "gpu", "qid": "1", "file_path": "app.css", "path": "x", "member_id": "1"}
 REACHED = 418
 
 
