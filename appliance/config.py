@@ -490,6 +490,15 @@ class BackupConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TuningConfig:
+    """The memory-split tuning's use of what the box really served (tuning/observed.py)."""
+
+    min_observed_requests: int = _key(
+        200, _positive, "observed requests (or engine-log decode samples) below which no "
+        "change of the split is recommended from them")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """The whole configuration; `source` says where it came from, for messages."""
 
@@ -505,6 +514,7 @@ class Config:
     gateway: GatewayConfig = dataclasses.field(default_factory=GatewayConfig)
     health: HealthConfig = dataclasses.field(default_factory=HealthConfig)
     backup: BackupConfig = dataclasses.field(default_factory=BackupConfig)
+    tuning: TuningConfig = dataclasses.field(default_factory=TuningConfig)
     cell: CellConfig = dataclasses.field(default_factory=CellConfig)
     source: str = "built-in defaults"
     dev: bool = False
@@ -535,6 +545,7 @@ SECTIONS: dict[str, type[Any]] = {
     "gateway": GatewayConfig,
     "health": HealthConfig,
     "backup": BackupConfig,
+    "tuning": TuningConfig,
     "oidc": OidcConfig,
     "cell": CellConfig,
 }

@@ -90,8 +90,20 @@ def test_enough_records_give_the_lengths_and_concurrency(config: Config, db: Dat
     assert advice.summary.startswith(
         f"peak 6 concurrent requests in {MIN_RECORDS} gateway requests (their records carry "
         "no pool levels)")
-    assert advice.recommendation.longest_tokens == PROMPT + COMPLETION
-    assert view_of(runtime).to_dict()["observed"]["observed"]["source"] == "records"
+    # 50 requests are enough to show, too few to recommend from (tuning.min_observed_requests).
+    assert advice.recommendation is None
+    assert advice.summary.endswith("too few requests to recommend a change (50 of the 200 "
+                                   "needed)")
+    shown = view_of(runtime).to_dict()["observed"]
+    assert shown["observed"]["source"] == "records" and shown["recommendation"] is None
+    assert (shown["evidence"]["samples"], shown["evidence"]["needed"]) == (MIN_RECORDS, 200)
+
+    write(db, steady(now - dt.timedelta(minutes=50), 200 - MIN_RECORDS))
+    enough = view_of(runtime).observed
+    assert enough is not None and enough.recommendation is not None
+    assert enough.recommendation.longest_tokens == PROMPT + COMPLETION
+    assert enough.observed.evidence().startswith("from 200 requests over ")
+    assert enough.summary.endswith(f"({enough.observed.evidence()})")
 
 
 def test_records_and_the_log_together_and_the_fallback(config: Config, db: Database) -> None:

@@ -136,13 +136,15 @@ def test_day_one_ratio_five_starves_coding_agents_of_kv() -> None:
     assert observed.concurrency[0] == ("2026-12-06 09:30:00", 3)
     assert "decode samples" in observed.source_note and "understated" in observed.source_note
 
-    advice = advise(observed, K3, LAUNCH, BUDGET, current_ratio=5.0)
+    advice = advise(observed, K3, LAUNCH, BUDGET, current_ratio=5.0, min_samples=50)
     rec = advice.recommendation
+    assert rec is not None and advice.enough and advice.refusal is None
     assert rec.ratio < 5.0 and rec.recommended.concurrent > rec.current.concurrent
     assert advice.summary.startswith(
         f"the KV pool saturated first in 38 of 40 busy samples; ratio {rec.ratio:g} would fit "
         f"{rec.recommended.concurrent} concurrent requests at the observed lengths (mean ")
-    assert advice.summary.endswith(f"instead of {rec.current.concurrent}")
+    assert advice.summary.endswith(f"instead of {rec.current.concurrent} (from 50 decode "
+                                   "samples over 91 minutes)")
     json.dumps(advice.to_dict())
 
 
@@ -155,8 +157,8 @@ def test_chat_at_the_running_cap_names_the_state_pool() -> None:
     observed = from_log("\n".join(lines))
     assert (observed.saturated_first, observed.state_first, observed.busy_samples) == (
         "state", 20, 20)
-    advice = advise(observed, K3, LAUNCH, BUDGET, current_ratio=0.9)
-    assert advice.recommendation.ratio > 0.9
+    advice = advise(observed, K3, LAUNCH, BUDGET, current_ratio=0.9, min_samples=20)
+    assert advice.recommendation is not None and advice.recommendation.ratio > 0.9
     assert advice.summary.startswith("the state pool saturated first in 20 of 20 busy samples")
 
 
@@ -166,8 +168,54 @@ def test_an_idle_or_empty_log_says_so() -> None:
     assert caught.value.code == "workload_unobserved" and caught.value.hint
     quiet = from_log(DECODE)
     assert quiet.saturated_first is None and quiet.busy_samples == 0
-    advice = advise(quiet, K3, LAUNCH, BUDGET, current_ratio=0.9)
+    advice = advise(quiet, K3, LAUNCH, BUDGET, current_ratio=0.9, min_samples=1)
     assert advice.summary.startswith("no pool reached high water (peak 12 concurrent requests)")
+
+
+def test_twenty_samples_recommend_nothing_and_say_so() -> None:
+    """Issue 14: ratio 42 was offered from 20 samples. Below the minimum the advice keeps what
+    was seen, recommends no ratio, and states the counts; at the minimum it recommends, with
+    the count beside it."""
+    head, capacity, slots, cap = _startup(0.9)
+    lines = [head] + [
+        _decode(f"12:{i:02d}:00", cap, cap * 3_000, capacity, cap * 3, slots, queued=40)
+        for i in range(20)
+    ]
+    observed = from_log("\n".join(lines))
+    assert (observed.samples, observed.span_seconds) == (20, 19 * 60)
+    advice = advise(observed, K3, LAUNCH, BUDGET, current_ratio=0.9, min_samples=200)
+    assert advice.recommendation is None and not advice.enough
+    assert advice.refusal == ("too few decode samples to recommend a change (20 of the 200 "
+                              "needed)")
+    assert advice.summary == ("the state pool saturated first in 20 of 20 busy samples; too "
+                              "few decode samples to recommend a change (20 of the 200 needed)")
+    shown = json.loads(json.dumps(advice.to_dict()))
+    assert shown["recommendation"] is None
+    assert shown["evidence"] == {
+        "samples": 20, "unit": "decode samples", "span_seconds": 1140.0, "needed": 200,
+        "enough": False, "words": "from 20 decode samples over 19 minutes",
+        "refusal": "too few decode samples to recommend a change (20 of the 200 needed)"}
+
+    enough = advise(observed, K3, LAUNCH, BUDGET, current_ratio=0.9, min_samples=20)
+    assert enough.recommendation is not None and enough.refusal is None
+    assert enough.summary.endswith("(from 20 decode samples over 19 minutes)")
+
+
+def test_records_state_their_count_and_span() -> None:
+    """1,284 requests over three days: "from 1,284 requests over 3 days"; 20 of them are too
+    few for a minimum of 200, in the same words as the log's."""
+    step = 3 * 86_400 / 1_283
+    many = [Record(20_000, 1_000, 0, _at(i * step), _at(i * step + 60)) for i in range(1_284)]
+    seen = from_records(many)
+    assert seen.evidence() == "from 1,284 requests over 3 days"
+    advice = advise(seen, K3, LAUNCH, BUDGET, current_ratio=0.9, min_samples=200)
+    assert advice.recommendation is not None and "(from 1,284 requests over 3 days)" in \
+        advice.summary
+    few = advise(from_records(many[:20]), K3, LAUNCH, BUDGET, current_ratio=0.9,
+                 min_samples=200)
+    assert few.recommendation is None
+    assert few.summary.endswith("too few requests to recommend a change (20 of the 200 "
+                                "needed)")
 
 
 @dataclass(frozen=True)

@@ -401,8 +401,25 @@ def test_the_observed_workload_is_shown_and_can_become_a_profile(
     assert "The KV pool saturated first in 20 of 20 busy samples" in words
     assert "Peak 50 concurrent requests" in words
     assert "Ran out first the KV cache: 20 of 20 busy samples KV first, 0 state first" in words
+    # 20 samples: shown, but too few to recommend a change from (issue 14: ratio 42 from 20).
+    assert ("Evidence From 20 decode samples over 19 minutes: too few decode samples to "
+            "recommend a change (20 of the 200 needed)") in words
+    assert "Best for it" not in words
+    api = page.http.get("/api/v1/tuning/").json()["observed"]
+    assert api["recommendation"] is None
+    assert (api["evidence"]["samples"], api["evidence"]["needed"],
+            api["evidence"]["refusal"]) == (
+        20, 200, "too few decode samples to recommend a change (20 of the 200 needed)")
+
+    lines += [_decode(f"{11 + i // 60}:{i % 60:02d}:00", 50, int(capacity * 0.95), capacity, 150,
+                      slots, queued=4) for i in range(180)]
+    runtime.supervisor.log_path.write_text("\n".join(lines) + "\n")
+    words = text_of(page.http.get("/tuning").text)
+    assert "Evidence From 200 decode samples over 3 hours" in words
+    assert "too few" not in words
     assert re.search(r"Best for it ratio [\d.]+: \d+ concurrent requests, against \d+ at the "
                      r"current split", words)
+    assert re.search(r"\(from 200 decode samples over 3 hours\)", words)
     editor = htmx(page, "GET", "/tuning/editor?mode=observed").text
     assert 'name="name" value="observed"' in editor
     assert 'name="title" value="Observed workload"' in editor

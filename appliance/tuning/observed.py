@@ -30,6 +30,12 @@ what fills the KV pool. From decode lines the percentiles are of per-sample mean
 is understated (the mean, which sizes the KV limit, is exact); records give true per-request
 percentiles. The source note says which.
 
+Evidence: `samples` counts the observations the lengths rest on (gateway requests, or decode
+samples when the log gives the lengths) and `span_seconds` the time they cover; `advise`
+states both beside its recommendation ("from 1,284 requests over 3 days") and refuses to
+recommend any change below `min_samples` (the configuration's `tuning.min_observed_requests`),
+saying how many it has and needs: a ratio drawn from 20 samples is noise.
+
 Saturation: a sample is *busy* when a pool is at `high_water` (0.9). The KV
 pool is at high water when `full token usage >= high_water`; the state pool when
 `mamba usage >= high_water` or the running requests reached the scheduler's
@@ -152,7 +158,9 @@ class ObservedWorkload:
     `samples` counts the observations behind `lengths` (decode lines or records);
     `busy_samples`, `kv_first`, `state_first` count the saturation evidence;
     `concurrency` is (time as printed or ISO 8601, live requests) in time order;
-    `source` says which input `lengths` and the saturation came from (`source_note`, in words).
+    `source` says which input `lengths` and the saturation came from (`source_note`, in words);
+    `span_seconds` is the time from the first observation behind `lengths` to the last (None
+    when the input carries no times).
     """
 
     lengths: LengthDistribution
@@ -165,9 +173,21 @@ class ObservedWorkload:
     state_first: int = 0
     concurrency: tuple[tuple[str, int], ...] = ()
     source: Source = "log"
+    span_seconds: float | None = None
+
+    @property
+    def unit(self) -> str:
+        """What `samples` counts, in words."""
+        return "decode samples" if self.source == "log" else "requests"
+
+    def evidence(self) -> str:
+        """"from 1,284 requests over 3 days"."""
+        over = f" over {duration_words(self.span_seconds)}" if self.span_seconds else ""
+        return f"from {self.samples:,} {self.unit}{over}"
 
     def to_dict(self) -> dict[str, Any]:
         data = dict(self.__dict__)
+        data["unit"] = self.unit
         data["lengths"] = self.lengths.to_dict()
         data["concurrency"] = [list(point) for point in self.concurrency]
         return data
@@ -221,7 +241,9 @@ def from_log(text: str, *, kv_capacity: int | None = None,
         lengths=weighted_distribution(values), peak_concurrency=peak, samples=len(values),
         saturated_first=_majority(kv_first, state_first), source_note=note,
         busy_samples=busy, kv_first=kv_first, state_first=state_first,
-        concurrency=tuple((s.at or "", s.running) for s in decodes))
+        concurrency=tuple((s.at or "", s.running) for s in decodes),
+        span_seconds=_log_span([s.at for s in decodes if s.tokens_per_request(kv_capacity)
+                                is not None]))
 
 
 def from_records(records: Iterable[RequestRecord]) -> ObservedWorkload:
@@ -248,7 +270,8 @@ def from_records(records: Iterable[RequestRecord]) -> ObservedWorkload:
     return ObservedWorkload(
         lengths=weighted_distribution(values),
         peak_concurrency=max((n for _, n in concurrency), default=0), samples=len(items),
-        saturated_first=None, source_note=note, concurrency=concurrency, source="records")
+        saturated_first=None, source_note=note, concurrency=concurrency, source="records",
+        span_seconds=(latest - min(r.started_at for r in items)).total_seconds())
 
 
 def observe(*, log_text: str | None = None, records: Iterable[RequestRecord] | None = None,
@@ -283,30 +306,52 @@ def observe(*, log_text: str | None = None, records: Iterable[RequestRecord] | N
                     "samples of the engine log",
         busy_samples=from_engine.busy_samples, kv_first=from_engine.kv_first,
         state_first=from_engine.state_first, concurrency=gateway.concurrency,
-        source="records+log")
+        source="records+log", span_seconds=gateway.span_seconds)
 
 
 @dataclass(frozen=True)
 class Advice:
-    """A recommendation for the observed workload, and the sentence to show."""
+    """A recommendation for the observed workload, and the sentence to show.
+
+    `recommendation` is None when the evidence is too thin (`observed.samples < needed`):
+    then `refusal` says so with both counts, and nothing is recommended.
+    """
 
     observed: ObservedWorkload
-    recommendation: Recommendation
+    recommendation: Recommendation | None
     summary: str
+    needed: int = 0
+
+    @property
+    def enough(self) -> bool:
+        return self.observed.samples >= self.needed
+
+    @property
+    def refusal(self) -> str | None:
+        """"too few requests to recommend a change (20 of the 200 needed)", or None."""
+        if self.enough:
+            return None
+        return (f"too few {self.observed.unit} to recommend a change "
+                f"({self.observed.samples:,} of the {self.needed:,} needed)")
 
     def to_dict(self) -> dict[str, Any]:
         return {"observed": self.observed.to_dict(),
-                "recommendation": self.recommendation.to_dict(), "summary": self.summary}
+                "recommendation": self.recommendation.to_dict() if self.recommendation
+                else None,
+                "summary": self.summary,
+                "evidence": {"samples": self.observed.samples, "unit": self.observed.unit,
+                             "span_seconds": self.observed.span_seconds,
+                             "needed": self.needed, "enough": self.enough,
+                             "words": self.observed.evidence(), "refusal": self.refusal}}
 
 
 def advise(observed: ObservedWorkload, geometry: Geometry, launch: Launch, budget_bytes: int,
-           current_ratio: float) -> Advice:
+           current_ratio: float, *, min_samples: int) -> Advice:
     """What to change, in words a person can act on, e.g. "the KV pool saturated first in 38 of
     40 busy samples; ratio 0.4 would fit 20 concurrent requests at the observed lengths
-    instead of 6". The target is the observed peak (at least 1)."""
-    rec = recommend(geometry, launch, budget_bytes, observed.lengths,
-                    target_concurrency=max(1, observed.peak_concurrency),
-                    current_ratio=current_ratio)
+    instead of 6 (from 1,284 requests over 3 days)". The target is the observed peak (at
+    least 1). Below `min_samples` observations nothing is recommended: the summary says how
+    many there are and how many are needed."""
     parts = []
     if observed.saturated_first is not None:
         pool = "KV" if observed.saturated_first == "kv" else "state"
@@ -319,6 +364,13 @@ def advise(observed: ObservedWorkload, geometry: Geometry, launch: Launch, budge
     elif observed.busy_samples == 0 and observed.kv_first == observed.state_first == 0:
         parts.append(f"no pool reached high water (peak {observed.peak_concurrency} "
                      "concurrent requests)")
+    if observed.samples < min_samples:
+        refused = Advice(observed, None, "", min_samples)
+        parts.append(str(refused.refusal))
+        return Advice(observed, None, "; ".join(parts), min_samples)
+    rec = recommend(geometry, launch, budget_bytes, observed.lengths,
+                    target_concurrency=max(1, observed.peak_concurrency),
+                    current_ratio=current_ratio)
     at = (f"at the observed lengths (mean {format_tokens(rec.mean_tokens)}, longest "
           f"{format_tokens(rec.longest_tokens)})")
     if rec.recommended.concurrent > rec.current.concurrent:
@@ -330,7 +382,18 @@ def advise(observed: ObservedWorkload, geometry: Geometry, launch: Launch, budge
     if rec.pin is not None:
         parts.append(f"a pin of --max-mamba-cache-size {rec.pin} would fit "
                      f"{rec.pin_capacity.concurrent if rec.pin_capacity else 0}")
-    return Advice(observed, rec, "; ".join(parts))
+    return Advice(observed, rec, f"{'; '.join(parts)} ({observed.evidence()})", min_samples)
+
+
+def duration_words(seconds: float) -> str:
+    """A span in the largest whole unit that fits at least twice: "45 seconds", "3 minutes",
+    "5 hours", "3 days" ("1 second" for a moment)."""
+    for unit, size in (("day", 86_400), ("hour", 3_600), ("minute", 60)):
+        if seconds >= 2 * size:
+            count = int(seconds // size)
+            return f"{count:,} {unit}s"
+    count = max(1, round(seconds))
+    return f"{count} second{'s' if count != 1 else ''}"
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -352,6 +415,20 @@ def _saturation(samples: Sequence[BatchSample], max_running: int | None,
         else:
             state += 1
     return busy, kv, state
+
+
+def _log_span(stamps: Sequence[str | None]) -> float | None:
+    """Seconds from the first to the last stamp (the log's local time), None without two."""
+    times = []
+    for stamp in stamps:
+        if stamp:
+            try:
+                times.append(dt.datetime.fromisoformat(stamp.replace(",", ".")))
+            except ValueError:
+                continue
+    if len(times) < 2:
+        return None
+    return (max(times) - min(times)).total_seconds()
 
 
 def _majority(kv: int, state: int) -> Pool | None:

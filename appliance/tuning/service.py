@@ -184,7 +184,8 @@ class TuningService:
         """The workload this box really got since the engine's last start, and what it
         advises: from the gateway's records when there are `MIN_RECORDS` (with the log's
         saturation when it has decode lines), else from the log's `Decode batch` lines; None
-        when neither has anything."""
+        when neither has anything. With fewer than `tuning.min_observed_requests`
+        observations it recommends nothing and says how many it has."""
         records = await self.db.run(lambda s: gateway_records(s, self.clock.now()))
         log_text = startup if "Decode batch" in startup else None
         enough = len(records) >= MIN_RECORDS
@@ -201,8 +202,11 @@ class TuningService:
                 workload = replace(workload, source_note=(
                     f"{workload.source_note}; the gateway has recorded only {len(records)} "
                     f"requests in this run so far ({MIN_RECORDS} give exact lengths)"))
-            return await asyncio.to_thread(advise, workload, geometry, launch, budget.bytes,
-                                           float(ran_with))
+            # Below tuning.min_observed_requests the advice states the counts, not a ratio.
+            needed = self.config.tuning.min_observed_requests
+            return await asyncio.to_thread(lambda: advise(
+                workload, geometry, launch, budget.bytes, float(ran_with),
+                min_samples=needed))
         except ApplianceError:
             return None
 
