@@ -302,12 +302,12 @@ def _render(template: str, view: WeightsView, **extra: object) -> str:
     from jinja2 import Environment, FileSystemLoader
 
     from appliance.resources import templates_dir
-    from appliance.ui.templating import duration, size, when
+    from appliance.ui.templating import filters
     from appliance.ui.weights import MOVING, sentence, state_counts
     from appliance.weights.views import bytes_text
 
     env = Environment(loader=FileSystemLoader(templates_dir()), autoescape=True)
-    env.filters.update(size=size, duration=duration, when=when)
+    env.filters.update(filters())
     return env.get_template(template).render(
         w=view, files=sort_files(view.files), counts=state_counts(view),
         ready=readiness(view, REPO_ID), rate=rate_text, sentence=sentence, moving=MOVING,
@@ -328,10 +328,10 @@ def test_the_file_table_orders_rows_and_truncates_errors() -> None:
     assert f'<span title="{error}">{error[:59]}…</span>' in html
     assert '<span class="badge wf-failed">failed</span>' in html
     assert '<progress max="100" value="40.0" aria-label="b.safetensors">' in html
-    assert "2.5 MB/s" in html and ">24s<" in html
+    assert "2.5 MB/s" in html and ">24 seconds<" in html
     # No job: no rates or ETAs, whatever a file was left showing.
     idle = _render("partials/weights_files.html", _view(files))
-    assert "MB/s" not in idle and ">24s<" not in idle
+    assert "MB/s" not in idle and ">24 seconds<" not in idle
 
 
 def test_the_card_lists_what_the_quick_check_found() -> None:

@@ -27,6 +27,7 @@ from appliance.auth.middleware import client_address
 from appliance.config import check_endpoint, check_repo_id
 from appliance.errors import ApplianceError
 from appliance.runtime import Runtime, runtime_of
+from appliance.sizes import rate_text
 from appliance.ui.login import AdminRequest
 from appliance.ui.pages import GUARDED
 from appliance.ui.templating import when
@@ -69,18 +70,6 @@ def sentence(text: str) -> str:
     if not text or any(c in first for c in "/@._") or not first[:1].islower():
         return text
     return text[:1].upper() + text[1:]
-
-
-def rate_text(bytes_per_second: float) -> str:
-    """A transfer or hashing rate in decimal units (MB/s, GB/s), as network gear shows it."""
-    if bytes_per_second <= 0:
-        return "—"
-    if bytes_per_second >= 1e9:
-        return f"{bytes_per_second / 1e9:.2f} GB/s"
-    megabytes = bytes_per_second / 1e6
-    if megabytes < 0.01:
-        return "< 0.01 MB/s"
-    return f"{megabytes:.1f} MB/s" if megabytes >= 1 else f"{megabytes:.2f} MB/s"
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import IO
 from urllib.parse import urljoin, urlsplit
 
+from appliance.sizes import rate_text
 from appliance.weights.hashing import Digest
 from appliance.weights.sources import SourceError, classify_status, network_reason
 
@@ -320,8 +321,8 @@ def _watch_rate(plan: Plan, now: float, total: int, window: deque[tuple[float, i
     since, then = window[0]
     span = now - since
     if span >= plan.min_rate_window and (total - then) / span < plan.min_rate_bps:
-        raise RetryAttempt(f"too slow: {(total - then) / span / 1024:.1f} KiB/s over the last "
-                           f"{span:.0f} s, below the {plan.min_rate_bps / 1024:.0f} KiB/s floor",
+        raise RetryAttempt(f"too slow: {rate_text((total - then) / span)} over the last "
+                           f"{span:.0f} s, below the {rate_text(plan.min_rate_bps)} floor",
                            progressed=total > offset)
 
 

@@ -30,6 +30,7 @@ import psutil
 from sqlalchemy.orm import Session
 
 from appliance.errors import EX_USAGE, ApplianceError
+from appliance.sizes import rate_text
 from appliance.weights import records
 from appliance.weights.downloader import DiskFull, part_path
 from appliance.weights.hashing import Digest, HashResult, hash_files, should_prewarm
@@ -248,7 +249,7 @@ async def run_full_verify(service: WeightsService, *, rehash: bool) -> None:
         unchanged_since=min(since) if since else None,
         mismatches=tuple(_mismatch(r, moved.get(p)) for p, r in sorted(results.items())
                          if not r.ok),
-        rate_text=f"{bytes_text(total / seconds)}/s" if todo else "")
+        rate_text=rate_text(total / seconds) if todo else "")
     service.note_verification(set_id, outcome)
     if not outcome.ok:
         await service.db.run(lambda s: records.set_full_verified(s, set_id, None))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from appliance.errors import ApplianceError
+from appliance.sizes import bytes_text
 
 FORMAT = "appliance-weights-manifest/1"
 PART_SUFFIX = ".part"
@@ -269,4 +270,4 @@ def space_problem(need: Needs, free_bytes: int, reserve_bytes: int) -> str | Non
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n < 10e9 else f"{n / 1e9:.0f} GB"
+    return bytes_text(n)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 
+from appliance.sizes import bytes_text, rate_text
 from appliance.weights import records
 from appliance.weights.hashing import prewarm, should_prewarm
 from appliance.weights.importer import in_thread
@@ -54,7 +55,7 @@ async def prewarm_for_launch(service: WeightsService, report: Callable[[str], No
             await asyncio.sleep(1.0)
             rate = done[0] / max(loop.time() - started, 1e-6)
             report(f"warming the page cache: {100 * done[0] / max(total, 1):.0f}% of "
-                   f"{total / 1e9:.1f} GB at {rate / 1e9:.2f} GB/s")
+                   f"{bytes_text(total)} at {rate_text(rate)}")
 
     narrator = asyncio.create_task(narrate())
     try:
@@ -65,7 +66,7 @@ async def prewarm_for_launch(service: WeightsService, report: Callable[[str], No
         narrator.cancel()
     service._warm_at = loop.time()
     rate = result.bytes_read / max(result.seconds, 1e-6)
-    message = (f"page cache warmed before the launch: {result.bytes_read / 1e9:.2f} GB in "
-               f"{result.seconds:.1f} s ({rate / 1e9:.2f} GB/s)")
+    message = (f"page cache warmed before the launch: {bytes_text(result.bytes_read)} in "
+               f"{result.seconds:.1f} s ({rate_text(rate)})")
     await service.record_event("info", message)
     return message

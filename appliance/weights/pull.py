@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from appliance.errors import ApplianceError
+from appliance.sizes import bytes_text
 from appliance.volumes import nearest_existing
 from appliance.weights import records
 from appliance.weights.downloader import (
@@ -110,7 +111,7 @@ async def adopt_manifest(service: WeightsService, manifest: Manifest,
     record = await service.db.run(store)
     await service.record_event("info", f"weights manifest of {manifest.repo_id}@"
                                f"{manifest.commit[:12]}: {len(manifest.files)} files, "
-                               f"{manifest.total_bytes / 1e9:.2f} GB")
+                               f"{bytes_text(manifest.total_bytes)}")
     return record
 
 
@@ -217,7 +218,7 @@ async def complete(service: WeightsService, record: records.SetRecord, manifest:
                              "the source publishes a broken checkpoint; report it upstream")
     await service.finish_job(message=f"{manifest.repo_id}@{manifest.commit[:12]}: all "
                              f"{len(manifest.files)} files verified "
-                             f"({manifest.total_bytes / 1e9:.2f} GB)")
+                             f"({bytes_text(manifest.total_bytes)})")
     if service.on_ready is not None:
         await service.on_ready()
 

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+# bytes_text is re-exported: the weights modules (and their tests) import it from here
+from appliance.sizes import bytes_text as bytes_text
+from appliance.sizes import when_text
+
 
 class FileState(StrEnum):
     QUEUED = "queued"
@@ -57,20 +61,9 @@ def waiting_text(view: WeightsView) -> str:
             f"{'s' if len(view.files) != 1 else ''} proven, {bytes_text(left)} to go")
 
 
-def bytes_text(n: int | float) -> str:
-    """A file size or byte count in decimal units (B, kB, MB, GB, TB), as the Hub shows
-    them: the one unit system of every weights figure (page, CLI, messages)."""
-    amount = float(n)
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(amount) < 1000:
-            return f"{amount:.0f} {unit}" if unit == "B" else f"{amount:.2f} {unit}"
-        amount /= 1000
-    return f"{amount:.2f} TB"
-
-
 def stamp(value: dt.datetime) -> str:
-    """A time as every weights message writes it (UTC, to the minute)."""
-    return f"{value.astimezone(dt.UTC):%Y-%m-%d %H:%M} UTC"
+    """A time as every weights message writes it (UTC, to the second: `sizes.when_text`)."""
+    return when_text(value)
 
 
 @dataclass(frozen=True)
