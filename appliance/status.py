@@ -1,4 +1,6 @@
-"""What the dashboard and `/api/v1/status` say about the daemon itself.
+"""What the dashboard and `/api/v1/status` say about the daemon itself, and how the gateway
+admits users (`admission_standing`: qualified, or "unqualified" with what that means; the
+dashboard and the Usage page show it).
 
 Gathered off the event loop (disk usage and database calls can block on a busy disk).
 """
@@ -15,8 +17,10 @@ import psutil
 
 from appliance.auth.bootstrap import bootstrap_file
 from appliance.db.schema import schema_state
+from appliance.gateway.qualified import admission_limit, point_of
 from appliance.ops.backup import read_status
 from appliance.ops.schedule import last_backup_line
+from appliance.qualify.ledger import qualification_for
 from appliance.runtime import Runtime
 from appliance.volumes import disk_space
 
@@ -34,6 +38,41 @@ class VolumeUsage:
 
 
 @dataclass(frozen=True)
+class AdmissionStanding:
+    """How many users the gateway lets into the engine at once, and on what ground.
+
+    `qualified`: None while no engine runs, else whether the running spec has a qualified
+    point (the gateway admits at it); `words` say it, as the gateway's `/health` does."""
+
+    qualified: bool | None
+    words: str
+    spec_hash: str | None = None
+
+
+def _admission(runtime: Runtime) -> AdmissionStanding:
+    spec = runtime.supervisor.running_spec_hash
+    if spec is None:
+        return AdmissionStanding(None, "no engine is running, so the gateway admits nobody")
+    record = runtime.db.call(lambda s: qualification_for(s, spec))
+    point = None if record is None else point_of(record)
+    gateway = runtime.config.gateway
+    if point is not None or gateway.max_concurrency:
+        decided = admission_limit(None, point, margin=gateway.qualified_margin,
+                                  override=gateway.max_concurrency)
+        return AdmissionStanding(point is not None, decided.words(), spec)
+    return AdmissionStanding(False, (
+        f"unqualified: the running engine (spec {spec[:12]}) has no qualified point"
+        + (" (its last qualification found none)" if record is not None else "")
+        + ", so the gateway admits up to the engine's max_running_requests: what the engine "
+        "can hold, not what it serves at the floor speed; past that point requests fail "
+        "instead of waiting in the gateway's queue"), spec)
+
+
+async def admission_standing(runtime: Runtime) -> AdmissionStanding:
+    return await anyio.to_thread.run_sync(_admission, runtime)
+
+
+@dataclass(frozen=True)
 class DaemonStatus:
     version: str
     started_at: dt.datetime
@@ -46,6 +85,7 @@ class DaemonStatus:
     scheduler_jobs: list[str]
     rss_bytes: int
     last_backup: str = ""  # a sentence: when, how old, with or without secrets
+    admission: AdmissionStanding | None = None  # how the gateway admits (module doc)
 
 
 def _volumes(named: Iterable[tuple[str, Path]]) -> list[VolumeUsage]:
@@ -76,6 +116,7 @@ def _gather(runtime: Runtime) -> DaemonStatus:
         scheduler_jobs=[job.id for job in runtime.scheduler.get_jobs()],
         rss_bytes=psutil.Process().memory_info().rss,
         last_backup=last_backup_line(read_status(paths.state_dir), runtime.clock.now()),
+        admission=_admission(runtime),
     )
 
 

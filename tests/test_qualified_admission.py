@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,8 +36,10 @@ from appliance.gateway.qualified import (
 )
 from appliance.qualify import ledger, plan
 from appliance.qualify.verdict import Step, round_of
+from appliance.runtime import Runtime
+from appliance.status import AdmissionStanding, _admission
 from appliance.testing.fake_sglang.scheduler import WAITING_TIMEOUT
-from tests.conftest import make_config
+from tests.conftest import Console, make_config
 from tests.gateway_rig import MODEL, LiveGateway, auth, chat_body
 from tests.test_fake_sglang import Emulator, small_model
 from tests.test_gateway import migrated
@@ -272,3 +275,33 @@ def test_fifty_long_streams_through_the_qualified_gateway_all_finish_and_collaps
     finally:
         live.stop()
         db.dispose()
+
+
+# -- what the console says ---------------------------------------------------------------------
+def test_the_dashboard_and_usage_page_say_unqualified_then_the_qualified_point(
+        logged_in: Console, runtime: Runtime, db: Database,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(type(runtime.supervisor), "running_spec_hash",
+                        property(lambda self: SPEC))  # an engine of this spec runs
+    for path in ("/", "/usage"):
+        html = logged_in.http.get(path).text
+        line = re.search(r'<p class="admission notice" id="admission-line">(.*?)</p>', html,
+                         re.S)
+        assert line, path
+        assert "unqualified: the running engine (spec aaaaaaaaaaaa)" in line.group(1)
+        assert '<a href="/qualify">Qualify the box' in line.group(1)
+
+    qualify(db, SPEC, 16)
+    for path in ("/", "/usage"):
+        html = logged_in.http.get(path).text
+        assert "admitting up to 16 at a time (qualified 2026-12-01 20:12:03 UTC, floor 32 " \
+               "tokens/s)" in html, path
+        assert 'class="admission muted"' in html and "Qualify the box" not in html
+
+    status = logged_in.http.get("/api/v1/status").json()
+    assert status["admission"]["qualified"] is True
+
+
+def test_with_no_engine_the_standing_says_so(runtime: Runtime) -> None:
+    assert _admission(runtime) == AdmissionStanding(
+        None, "no engine is running, so the gateway admits nobody")

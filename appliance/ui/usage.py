@@ -33,6 +33,7 @@ from appliance.api.usage import (
 from appliance.errors import ApplianceError
 from appliance.gateway.report import DEFAULT_RANGE, RANGES, key_labels, usage_recorded
 from appliance.runtime import runtime_of
+from appliance.status import admission_standing
 from appliance.ui.login import AdminRequest
 from appliance.ui.pages import GUARDED
 
@@ -105,6 +106,7 @@ async def usage_page(request: AdminRequest, range_name: RangeQuery = None,
         context.update(report=report, links=links(span, report.key.prefix if report.key else ""),
                        chart=Markup(chart_for(report)))  # noqa: S704 - escaped by usage_chart
     if not request.headers.get("hx-request"):
+        context["admission"] = await admission_standing(runtime)  # the gateway's standing
         return Template("pages/usage.html", context=context, status_code=status)
     query = {"range": picked, **({"from": start_text, "to": end_text} if picked == "custom"
                                  else {}), **({"key": prefix} if prefix else {})}
