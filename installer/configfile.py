@@ -12,7 +12,8 @@ edited.
 Runs on the bare system Python: appliance.config imports only the standard library at import
 time, and nothing here validates values (that would import SQLAlchemy).
 
-`values`: the directories, the console's address and the database URL, read from FILE (or
+`values`: the directories, the console's and the gateway's addresses and the database URL
+(the gateway's becomes its socket unit's ListenStream=), read from FILE (or
 the defaults when FILE does not exist) for the installer's disk check, summary and purge.
 The daemon checks the file properly when it starts; here an unreadable file is an error.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,9 @@ def toml_value(value: Any) -> str:
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if value is None:
         return '""'
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_value(v)}"
+                               for k, v in value.items()) + "}"
     return json.dumps(str(value))  # a TOML basic string is a JSON string for these values
 
 
@@ -62,6 +67,8 @@ def render(source: Path) -> str:
         lines.append(f"[{name}]")
         for field in dataclasses.fields(section):
             value = field.default
+            if value is dataclasses.MISSING and field.default_factory is not dataclasses.MISSING:
+                value = field.default_factory()  # a mapping (oidc.role_map): {} by default
             if value is dataclasses.MISSING:  # pragma: no cover - every key has a default
                 raise SystemExit(f"{name}.{field.name} has no default")
             note = field.metadata.get("doc", "")
@@ -74,7 +81,8 @@ def render(source: Path) -> str:
 
 
 VALUES = (("paths", "state_dir"), ("paths", "models_dir"), ("paths", "log_dir"),
-          ("server", "host"), ("server", "port"), ("server", "tls_cert"), ("database", "url"))
+          ("server", "host"), ("server", "port"), ("server", "tls_cert"), ("database", "url"),
+          ("gateway", "host"), ("gateway", "port"))
 
 
 def values(source: Path, path: Path) -> str:

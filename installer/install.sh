@@ -39,6 +39,7 @@ defaults() {
   DROPIN_DIR=/etc/systemd/system
   DAEMON=appliance.service
   GATEWAY=appliance-gateway.service
+  GATEWAY_SOCKET=appliance-gateway.socket
   ENGINE=appliance-engine.service
   SYSUSERS=/usr/lib/sysusers.d/appliance.conf
   TMPFILES=/usr/lib/tmpfiles.d/appliance.conf
@@ -56,6 +57,8 @@ defaults() {
   CFG_server_port=8080
   CFG_server_tls_cert=""
   CFG_database_url=""
+  CFG_gateway_host=0.0.0.0
+  CFG_gateway_port=8000
 
   CHANGES=()
   NOTES=()
@@ -64,6 +67,7 @@ defaults() {
   FAILS=0
   STEP="starting"
   UNITS_CHANGED=0 DAEMON_UNIT_CHANGED=0 GATEWAY_UNIT_CHANGED=0 ENGINE_UNIT_CHANGED=0
+  SOCKET_UNIT_CHANGED=0 LISTEN_CHANGED=0 GATEWAY_STOPPED=0
   FRESH=0 PENDING="" SWITCH=0 DAEMON_STOPPED=0
 }
 
@@ -201,6 +205,7 @@ locate_source() {
   for path in pyproject.toml appliance/__init__.py appliance/engine/flags.py migrations \
     web/templates web/static installer/configfile.py installer/engine-requirements.txt \
     systemd/appliance.service systemd/appliance-gateway.service \
+    systemd/appliance-gateway.socket \
     systemd/appliance-engine.service systemd/appliance.sysusers.conf \
     systemd/appliance.tmpfiles.conf systemd/50-appliance-engine.rules; do
     [[ -e $SRC/$path ]] || missing+=("$path")
@@ -867,7 +872,7 @@ system_files() {
       systemd-tmpfiles "${in_root[@]}" --create "$(basename "$TMPFILES")"
   fi
   local unit
-  for unit in "$DAEMON" "$GATEWAY" "$ENGINE"; do
+  for unit in "$DAEMON" "$GATEWAY_SOCKET" "$GATEWAY" "$ENGINE"; do
     install_file "$src/$unit" "$UNIT_DIR/$unit" 0644 root root
     if ((WROTE)); then unit_written "$unit"; fi
   done
@@ -884,11 +889,37 @@ system_files() {
 
 unit_written() {  # unit_written UNIT|UNIT.d: a unit file or one of its vendor drop-ins changed
   UNITS_CHANGED=1
+  case $1 in
+    "$GATEWAY_SOCKET") SOCKET_UNIT_CHANGED=1 ;;
+    "$GATEWAY_SOCKET.d") LISTEN_CHANGED=1; mark_pending listen ;;
+  esac
   case ${1%.d} in
     "$DAEMON") DAEMON_UNIT_CHANGED=1 ;;
     "$GATEWAY") GATEWAY_UNIT_CHANGED=1 ;;
     "$ENGINE") ENGINE_UNIT_CHANGED=1 ;;
   esac
+}
+
+# The gateway's listening socket (appliance-gateway.socket) must listen where the config says
+# the gateway does (the gateway refuses any other, exit 78): listen.conf, the socket's vendor
+# drop-in, is written from gateway.host:gateway.port at every run.
+gateway_listen() {
+  local host=$CFG_gateway_host port=$CFG_gateway_port address generated
+  if [[ $host == *:* ]]; then
+    address="[$host]:$port"
+  elif [[ $host =~ ^[0-9]{1,3}(\.[0-9]{1,3}){3}$ ]]; then
+    address="$host:$port"
+  else
+    die "gateway.host in $CONFIG is \"$host\", a name: the gateway's socket unit needs an address" \
+      "set gateway.host to an IP address of this box (0.0.0.0: all IPv4 addresses; ::, all IPv6), then run the installer again"
+  fi
+  generated=$(mktemp)
+  printf '%s\n' "# Written by the installer from gateway.host and gateway.port in $CONFIG at every run:" \
+    "# change those and run the installer again (the gateway refuses a socket elsewhere)." \
+    "[Socket]" "ListenStream=" "ListenStream=$address" >"$generated"
+  install_file "$generated" "$UNIT_DIR/$GATEWAY_SOCKET.d/listen.conf" 0644 root root
+  rm -f "$generated"
+  if ((WROTE)); then unit_written "$GATEWAY_SOCKET.d"; fi
 }
 
 configuration() {
@@ -1035,15 +1066,45 @@ services() {
   for unit in "$DAEMON" "$GATEWAY"; do
     if ((FRESH)) && ! is_enabled "$unit"; then enable+=("$unit"); fi
   done
+  # the socket also on a box upgraded from a release before it (its gateway is enabled)
+  if ! is_enabled "$GATEWAY_SOCKET" && { ((FRESH)) || is_enabled "$GATEWAY"; }; then
+    enable+=("$GATEWAY_SOCKET")
+  fi
   if ((${#enable[@]})); then svc enable "${enable[@]}"; changed "enabled ${enable[*]}"; fi
   if ((NO_START)); then
-    note "--no-start: nothing was started or restarted; start with: systemctl start $DAEMON $GATEWAY"
+    note "--no-start: nothing was started or restarted; start with: systemctl start $DAEMON $GATEWAY_SOCKET $GATEWAY"
     return 0
   fi
   local restart_daemon=$((SWITCH || DAEMON_UNIT_CHANGED || FORCE_RESTART))
   local restart_gateway=$((SWITCH || GATEWAY_UNIT_CHANGED || FORCE_RESTART))
   service_up "$DAEMON" "$restart_daemon" "$DAEMON_STOPPED"
-  service_up "$GATEWAY" "$restart_gateway" 0
+  socket_up
+  service_up "$GATEWAY" "$restart_gateway" "$GATEWAY_STOPPED"
+}
+
+# socket_up: the gateway's listener, before the gateway. An upgrade restarts the service only:
+# the socket listens on across it, which is what makes the restart refuse nobody. The socket
+# itself is (re)started only where it must be, with the gateway stopped first (systemd refuses
+# to start a socket whose service runs, and an old gateway holds the port): on a fresh box, on
+# a box upgraded from a release before the socket (its gateway bound the port itself), and for
+# a new gateway.host:gateway.port (LISTEN_CHANGED; kept pending until a run finishes).
+socket_up() {
+  if is_active "$GATEWAY_SOCKET"; then
+    if ((SOCKET_UNIT_CHANGED && !LISTEN_CHANGED)); then
+      note "$GATEWAY_SOCKET changed: it takes effect at the socket's next start (boot; the installer restarts the listener only for a new address). Now, at the cost of refusing clients for a moment: systemctl stop $GATEWAY $GATEWAY_SOCKET && systemctl start $GATEWAY_SOCKET $GATEWAY"
+    fi
+    ((LISTEN_CHANGED)) || return 0
+    if is_active "$GATEWAY"; then svc stop "$GATEWAY"; GATEWAY_STOPPED=1; fi
+    svc restart "$GATEWAY_SOCKET"
+    RESTARTED+=("$GATEWAY_SOCKET")
+    note "the gateway now listens on $CFG_gateway_host:$CFG_gateway_port (its socket was restarted for the new address)"
+  elif ((FRESH)) || is_active "$GATEWAY"; then
+    if is_active "$GATEWAY"; then svc stop "$GATEWAY"; GATEWAY_STOPPED=1; fi
+    svc start "$GATEWAY_SOCKET"
+    STARTED+=("$GATEWAY_SOCKET")
+  else
+    note "$GATEWAY_SOCKET is not running and was left so (start it with: systemctl start $GATEWAY_SOCKET $GATEWAY)"
+  fi
 }
 
 service_up() {  # service_up UNIT CHANGED STOPPED_BY_US
@@ -1089,7 +1150,7 @@ prune() {
 
 dropin_notes() {  # dropin_notes WHAT: the operator's drop-ins, never touched, named
   local unit file
-  for unit in "$DAEMON" "$GATEWAY" "$ENGINE"; do
+  for unit in "$DAEMON" "$GATEWAY_SOCKET" "$GATEWAY" "$ENGINE"; do
     for file in "$(r "$DROPIN_DIR/$unit.d")"/*.conf; do
       [[ -f $file ]] || continue
       note "your drop-in ${file#"$ROOT"} $1"
@@ -1149,10 +1210,12 @@ do_install() {
     say "an earlier run did not finish ($(tr '\n' ' ' <<<"$PENDING")); finishing it"
     if grep -qx fresh <<<"$PENDING"; then FRESH=1; fi
     if grep -qx daemon-stopped <<<"$PENDING"; then DAEMON_STOPPED=1; fi
+    if grep -qx listen <<<"$PENDING"; then LISTEN_CHANGED=1; fi
   fi
   system_files
   configuration
   read_config_values
+  gateway_listen
   FIRST_DATABASE=1  # (a PostgreSQL database: cannot tell; the daemon knows)
   if [[ -z $CFG_database_url && -e $(r "$CFG_paths_state_dir/appliance.db") ]] &&
     ! grep -qx fresh <<<"$PENDING"; then
@@ -1267,11 +1330,12 @@ do_uninstall() {
     fi
   fi
   local unit
-  for unit in "$DAEMON" "$GATEWAY"; do
+  # the socket before its service: a connection in between would start the gateway again
+  for unit in "$DAEMON" "$GATEWAY_SOCKET" "$GATEWAY"; do
     if is_active "$unit"; then svc stop "$unit"; changed "stopped $unit"; fi
     if is_enabled "$unit"; then svc disable "$unit"; changed "disabled $unit"; fi
   done
-  for unit in "$DAEMON" "$GATEWAY" "$ENGINE"; do
+  for unit in "$DAEMON" "$GATEWAY_SOCKET" "$GATEWAY" "$ENGINE"; do
     remove_path "$UNIT_DIR/$unit"
     remove_path "$UNIT_DIR/$unit.d"
   done

@@ -44,6 +44,8 @@ BUILD_BUNDLE = REPO / "installer" / "build-bundle.sh"
 SHIPPED = ("appliance", "migrations", "web", "systemd", "installer", "pyproject.toml")
 DAEMON, GATEWAY, ENGINE = "appliance.service", "appliance-gateway.service", \
     "appliance-engine.service"
+SOCKET = "appliance-gateway.socket"  # the gateway's listener: outlives every gateway restart
+LISTEN_CONF = f"/usr/local/lib/systemd/system/{SOCKET}.d/listen.conf"
 VERSION = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M)[1]
 BASE_PYTHON = Path(getattr(sys, "_base_executable", sys.executable))
 DEV_SITE = sysconfig.get_path("purelib")
@@ -379,8 +381,9 @@ def assert_converged(box: Box, version: str = VERSION) -> None:
     leftovers = [p.name for p in box.path("/opt/appliance").iterdir() if ".tmp" in p.name]
     assert leftovers == []
     assert not box.path("/opt/appliance/installer/pending").exists()
-    assert box.active(DAEMON) and box.active(GATEWAY)
-    assert box.enabled(DAEMON) and box.enabled(GATEWAY) and not box.enabled(ENGINE)
+    assert box.active(DAEMON) and box.active(GATEWAY) and box.active(SOCKET)
+    assert box.enabled(DAEMON) and box.enabled(GATEWAY) and box.enabled(SOCKET)
+    assert not box.enabled(ENGINE)
     assert "alembic_version" in database_tables(box)
 
 
@@ -454,7 +457,7 @@ def test_install_lays_down_files_with_modes_and_owners_and_starts_daemon_and_gat
         st = box.path(path).stat()
         assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (mode, *owner), path
 
-    for unit in (DAEMON, GATEWAY, ENGINE):
+    for unit in (DAEMON, GATEWAY, SOCKET, ENGINE):
         owned(f"/usr/local/lib/systemd/system/{unit}", 0o644, (0, 0))
         assert box.path(f"/usr/local/lib/systemd/system/{unit}").read_bytes() == \
             (src / "systemd" / unit).read_bytes()
@@ -496,11 +499,17 @@ def test_install_lays_down_files_with_modes_and_owners_and_starts_daemon_and_gat
     assert f"--reuid={uid}" in migrate[0] and f"--regid={gid}" in migrate[0]
     assert f"{release}/venv/bin/python -m appliance migrate --config" in migrate[0]
 
-    # systemd: enabled and started daemon and gateway; the engine is never started
+    # the gateway's socket listens where the default config says the gateway does
+    owned(LISTEN_CONF, 0o644, (0, 0))
+    assert listen_streams(box) == ["", "0.0.0.0:8000"]
+
+    # systemd: enabled and started daemon and gateway, the gateway's socket before it; the
+    # engine is never started
     changes = run.state_changes()
-    assert ["enable", DAEMON, GATEWAY] in changes
-    assert ["start", DAEMON] in changes and ["start", GATEWAY] in changes
-    assert {u for c in changes for u in c[1:]} == {DAEMON, GATEWAY}
+    assert ["enable", DAEMON, GATEWAY, SOCKET] in changes
+    assert ["start", DAEMON] in changes
+    assert changes.index(["start", SOCKET]) < changes.index(["start", GATEWAY])
+    assert {u for c in changes for u in c[1:]} == {DAEMON, GATEWAY, SOCKET}
     assert all(f"--root={box.root}" in c for c in run.calls if c.startswith("systemctl ")
                and c.split()[2] in STATE_VERBS | {"daemon-reload"})
     assert box.active(DAEMON) and box.active(GATEWAY) and not box.active(ENGINE)
@@ -511,6 +520,11 @@ def test_install_lays_down_files_with_modes_and_owners_and_starts_daemon_and_gat
     assert "/var/lib/appliance/bootstrap-admin.txt" in run.output
     assert "engine:     appliance-engine.service was not started" in run.output
     assert_converged(box)
+
+
+def listen_streams(box: Box) -> list[str]:
+    return [line.removeprefix("ListenStream=") for line in
+            box.path(LISTEN_CONF).read_text().splitlines() if line.startswith("ListenStream=")]
 
 
 def test_a_second_run_changes_nothing_and_restarts_nothing(installed: Box, src: Path) -> None:
@@ -613,6 +627,9 @@ def test_an_upgrade_keeps_config_drop_ins_and_database_and_restarts_daemon_and_g
     assert ["daemon-reload"] in changes
     assert ["stop", DAEMON] in changes and ["start", DAEMON] in changes
     assert ["restart", GATEWAY] in changes
+    # the listener survives the upgrade: only the service restarts, never its socket
+    assert not [c for c in changes if SOCKET in c]
+    assert box.active(SOCKET)
     assert_engine_untouched(run)
     assert box.active(ENGINE)
     # the same sglang pin: the engine environment is reused, not rebuilt
@@ -654,6 +671,58 @@ def test_rollback_and_pruning_and_a_new_engine_pin(
     assert link(box, "previous") == "releases/99.1.0"
     assert link(box, "engine") == f"engines/sglang-{SGLANG_VERSION}"
     assert back.state_changes() == [["restart", DAEMON], ["restart", GATEWAY]]
+
+
+def test_an_upgrade_from_a_release_before_the_socket_moves_the_port_to_it(
+        installed: Box, src: Path, tmp_path: Path) -> None:
+    """That release's gateway bound the port itself: it stops, the socket takes the port,
+    the gateway starts on it. The one restart that refuses clients for a moment."""
+    box = installed
+    for path in (f"/usr/local/lib/systemd/system/{SOCKET}", LISTEN_CONF):
+        box.path(path).unlink()
+    for state in ("active", "enabled"):
+        (box.ctl / f"{state}.{SOCKET}").unlink()
+    run = box.install(copy_checkout(tmp_path / "v2", "99.0.0", origin=src))
+    changes = [c for c in run.state_changes() if GATEWAY in c or SOCKET in c]
+    assert changes == [["enable", SOCKET], ["stop", GATEWAY], ["start", SOCKET],
+                       ["start", GATEWAY]]
+    assert listen_streams(box) == ["", "0.0.0.0:8000"]
+    assert_converged(box, "99.0.0")
+
+
+def gateway_address(text: str, host: str, port: int) -> str:
+    """The default appliance.toml `text` with gateway.host and gateway.port set."""
+    head, sep, rest = text.partition("\n[gateway]\n")
+    assert sep, "no [gateway] section in the default config"
+    rest = re.sub(r"^#host = .*$", f'host = "{host}"', rest, count=1, flags=re.M)
+    rest = re.sub(r"^#port = .*$", f"port = {port}", rest, count=1, flags=re.M)
+    return head + sep + rest
+
+
+def test_a_new_gateway_address_moves_the_socket_and_a_host_name_is_refused(
+        installed: Box, src: Path) -> None:
+    box = installed
+    config = box.path("/etc/appliance/appliance.toml")
+    text = config.read_text()
+    config.write_text(gateway_address(text, "127.0.0.1", 8443))
+    run = box.install(src)
+    assert listen_streams(box) == ["", "127.0.0.1:8443"]
+    assert run.state_changes() == [["daemon-reload"], ["stop", GATEWAY], ["restart", SOCKET],
+                                   ["start", GATEWAY]]
+    assert "the gateway now listens on 127.0.0.1:8443" in run.output
+    assert box.active(SOCKET) and box.active(GATEWAY)
+
+    config.write_text(gateway_address(text, "::", 8443))
+    box.install(src)
+    assert listen_streams(box) == ["", "[::]:8443"]
+
+    config.write_text(gateway_address(text, "gateway.example", 8443))
+    refused = box.run(src)
+    assert refused.returncode != 0
+    assert 'gateway.host in /etc/appliance/appliance.toml is "gateway.example", a name' \
+        in refused.output
+    assert listen_streams(box) == ["", "[::]:8443"]  # left as it was
+    assert box.active(SOCKET) and box.active(GATEWAY)
 
 
 def failing_migration(src: Path) -> None:
@@ -721,7 +790,13 @@ def test_uninstall_keeps_data_a_reinstall_finds_it_and_purge_removes_it(
         assert not box.path(gone).exists(), gone
     assert config.exists() and dropin.exists() and (models / "shard.safetensors").exists()
     assert "operator_marker" in database_tables(box)
-    assert ["stop", DAEMON] in run.state_changes() and ["disable", GATEWAY] in run.state_changes()
+    changes = run.state_changes()
+    assert ["stop", DAEMON] in changes and ["disable", GATEWAY] in changes
+    # the socket first: a connection in between would start the gateway again
+    assert changes.index(["stop", SOCKET]) < changes.index(["stop", GATEWAY])
+    assert ["disable", SOCKET] in changes and not box.active(SOCKET)
+    assert not box.path(f"/usr/local/lib/systemd/system/{SOCKET}").exists()
+    assert not box.path(LISTEN_CONF).exists()
     assert_engine_untouched(run)
     assert "kept: /etc/appliance/appliance.toml" in run.output
     assert box.ids("appliance")  # system users stay, as Debian keeps them
@@ -833,7 +908,7 @@ def test_dry_run_prints_the_plan_and_changes_nothing(box: Box, src: Path, tmp_pa
                     f"would build release {VERSION}",
                     "would migrate the database",
                     f"would point /opt/appliance/current at releases/{VERSION}",
-                    f"would run: systemctl enable {DAEMON} {GATEWAY}",
+                    f"would run: systemctl enable {DAEMON} {GATEWAY} {SOCKET}",
                     f"would run: systemctl start {DAEMON}"):
         assert planned in run.output, planned
     assert run.state_changes() == [] and run.pips() == []
@@ -904,8 +979,10 @@ def test_an_interrupted_upgrade_keeps_the_old_release_then_converges(
 def test_a_truncated_script_does_nothing(box: Box, src: Path) -> None:
     script = (src / "installer" / "install.sh").read_bytes()
     tail = script.rindex(b'main "$@"')
+    # A cut right after `main` (tail + 4, or + 5 with the space) calls main without the
+    # arguments, which no layout can prevent; the grid below must not land there by chance.
     cuts = sorted({*range(0, len(script), len(script) // 12), tail - 1, tail, tail + 3,
-                   tail + 6, len(script) - 2})
+                   tail + 6, len(script) - 2} - {tail + 4, tail + 5})
     for cut in cuts:
         truncated = src / "installer" / "truncated.sh"
         truncated.write_bytes(script[:cut])
