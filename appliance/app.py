@@ -33,6 +33,7 @@ from appliance.api.engine import engine_router
 from appliance.api.health import health_router
 from appliance.api.keys import keys_router
 from appliance.api.ops import ops_router
+from appliance.api.qualify import qualify_router
 from appliance.api.routes import api_router
 from appliance.api.tuning import tuning_router
 from appliance.api.usage import usage_router
@@ -209,6 +210,7 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
             usage_router(),
             keys_router(),
             health_router(),
+            qualify_router(),
             ops_router(),
             create_static_files_router(path="/static", directories=[static_dir()],
                                        include_in_schema=False),
@@ -255,12 +257,14 @@ async def _start(runtime: Runtime) -> None:
     await runtime.supervisor.start_service()
     await runtime.weights.start_service()
     await restore_scheduled(runtime)
+    await runtime.qualify.start_service()  # a run the last daemon left: interrupted, gateway open
     # After the supervisor: the first engine poll must see the adopted engine's state.
     schedule_health(runtime)
 
 
 async def _stop(runtime: Runtime) -> None:
     # The engine keeps running: only the daemon's watching stops (it is adopted next start).
+    await runtime.qualify.stop_service()  # a run ends as interrupted and opens the gateway
     await runtime.weights.stop_service()
     await runtime.supervisor.stop_service()
     await runtime.publisher.stop()
