@@ -29,6 +29,7 @@ from litestar.static_files import create_static_files_router
 from litestar.template import TemplateConfig
 
 from appliance import __version__
+from appliance.api.cell import cell_router
 from appliance.api.engine import engine_router
 from appliance.api.health import health_router
 from appliance.api.keys import keys_router
@@ -196,7 +197,8 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
     public = PUBLIC_PATHS + (("/metrics",) if config.health.metrics_public else ())
     # OPTIONS too (Litestar exempts it by default): the guards after it read the user, and
     # without one an OPTIONS on the API was a 500.
-    auth = DefineMiddleware(AdminAuthMiddleware, exclude=[f"^{p}" for p in public],
+    # Anchored at a path segment: /api/v1/cell/join is public, /api/v1/cell/join-tokens not.
+    auth = DefineMiddleware(AdminAuthMiddleware, exclude=[f"^{p}(?:/|$)" for p in public],
                             exclude_http_methods=[])
     app = Litestar(
         route_handlers=[
@@ -212,6 +214,7 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
             health_router(),
             qualify_router(),
             ops_router(),
+            cell_router(),
             create_static_files_router(path="/static", directories=[static_dir()],
                                        include_in_schema=False),
         ],

@@ -295,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     from appliance.ops import backup_cli
 
     backup_cli.add_parser(sub, common)
+    from appliance.cell import cli as cell_cli
+
+    cell_cli.add_parser(sub, common)
     return parser
 
 
@@ -346,6 +349,12 @@ def cmd_backup(args: argparse.Namespace, config: Config) -> int:
     return backup_cli.run(args, config)
 
 
+def cmd_cell(args: argparse.Namespace, config: Config) -> int:
+    from appliance.cell import cli as cell_cli
+
+    return cell_cli.run(args, config)
+
+
 def cmd_gateway(args: argparse.Namespace, config: Config) -> int:
     from appliance.gateway.serve import run_gateway
 
@@ -358,7 +367,7 @@ HANDLERS: dict[str, Handler] = {
     "engine": cmd_engine, "weights": cmd_weights, "tune": cmd_tune, "keys": cmd_keys,
     "doctor": cmd_doctor, "qualify": cmd_qualify,
     "support-bundle": cmd_support_bundle,
-    "backup": cmd_backup, "restore": cmd_backup,
+    "backup": cmd_backup, "restore": cmd_backup, "cell": cmd_cell,
 }
 
 

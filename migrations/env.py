@@ -6,7 +6,9 @@ before every upgrade) lives in `appliance migrate`.
 
 from alembic import context
 
-import appliance.health.rows  # noqa: F401 - puts the health tables on Base.metadata
+# Row modules outside appliance.db.models: importing them puts their tables on Base.metadata.
+import appliance.cell.rows
+import appliance.health.rows  # noqa: F401
 from appliance.db.models import Base
 
 connection = context.config.attributes.get("connection")

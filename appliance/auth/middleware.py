@@ -1,4 +1,5 @@
-"""Who is calling: an admin session cookie (the console) or a bearer API token (scripts).
+"""Who is calling: an admin session cookie (the console), a bearer API token (scripts), or a
+cell head's peer credential (`acp_…`: only the cell peer API, appliance.cell.peer_auth).
 
 Runs on every request except the public paths. Session-authenticated unsafe requests to the
 JSON API must also carry the CSRF token in `X-CSRF-Token`: one this server signed, equal to the
@@ -19,18 +20,22 @@ from litestar.middleware import AbstractAuthenticationMiddleware, Authentication
 from appliance.auth.csrf import CSRF_COOKIE, CSRF_HEADER, tokens_match
 from appliance.auth.sessions import COOKIE_NAME, resolve_session
 from appliance.auth.tokens import resolve_token
+from appliance.cell.peer_auth import authenticate_peer
+from appliance.cell.tokens import is_peer_credential
 from appliance.runtime import runtime_of
 
 __all__ = ["CSRF_COOKIE", "CSRF_HEADER", "PUBLIC_PATHS", "AdminAuthMiddleware", "AuthInfo",
            "client_address"]
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-PUBLIC_PATHS = ("/login", "/login/sso", "/static", "/healthz", "/api/v1/schema",
-                "/favicon.ico")
+# Each is a path or a folder of paths (the app anchors them: /api/v1/cell/join is public,
+# /api/v1/cell/join-tokens is not).
+PUBLIC_PATHS = ("/login", "/login/sso", "/static", "/healthz", "/api/v1/schema", "/favicon.ico",
+                "/api/v1/cell/join")  # a head joining: the body's join token is its proof
 
 
 @dataclass(frozen=True)
 class AuthInfo:
-    kind: str  # "session" or "token"
+    kind: str  # "session", "token" or "peer" (a cell head: appliance.cell.peer_auth)
     session_token: str = ""
     token_prefix: str = ""
 
@@ -58,6 +63,10 @@ class AdminAuthMiddleware(AbstractAuthenticationMiddleware):
         authorization = connection.headers.get("authorization", "")
         if authorization.lower().startswith("bearer "):
             presented = authorization[7:].strip()
+            if is_peer_credential(presented):  # a cell head's: its own routes, nothing else
+                peer = await authenticate_peer(connection, presented)
+                return AuthenticationResult(user=peer, auth=AuthInfo("peer",
+                                                                     token_prefix=peer.prefix))
             found = await runtime.db.run(
                 lambda s: resolve_token(s, runtime.secret, presented, now)
             )

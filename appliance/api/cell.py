@@ -1,0 +1,289 @@
+"""The cell through the admin API, `/api/v1/cell`: joining, the peer API, the member registry.
+
+On a member:
+- `POST /join-tokens` (admin): a one-time join token, valid an hour, shown once;
+- `POST /join` (public; the body's token is the proof): a head exchanges the token for a peer
+  credential (scope "cell"), once; a wrong, expired or used token is 403, audited with the
+  caller's address;
+- `DELETE /peer` (admin): leave the cell: every head's credential is revoked;
+- the peer API, the only routes a peer credential opens (`appliance.cell.tokens.PEER_ROUTES`):
+  `GET /peer/status`, `POST /peer/engine/{start|stop|restart}`, `DELETE /peer/credential`
+  (a head giving its own credential up). Each call a head makes is audited here.
+
+On a head:
+- `POST /members` (admin): address + join token: calls the member's `/join` and keeps the
+  credential (appliance.cell.membership);
+- `GET /members` (viewer): each member with its status, read through the peer API with short
+  timeouts; an unreachable or revoked member is shown as such and nothing else happens;
+- `DELETE /members/{id}` (admin): give the credential up on the member if it answers, forget it.
+
+Every call to another box is audited here (`cell.call`, appliance.cell.peer) and there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from functools import partial
+from typing import Any
+
+import msgspec
+from litestar import Request, Router, delete, get, post
+from litestar.params import FromPath, JSONBody
+
+from appliance import __version__
+from appliance.api.engine import run_action
+from appliance.auditing import audit
+from appliance.auth.guards import password_current
+from appliance.auth.middleware import AuthInfo, client_address
+from appliance.cell import membership, tokens
+from appliance.cell.membership import Member
+from appliance.cell.peer import MemberRefused, MemberRevoked, MemberUnreachable, PeerClient
+from appliance.engine.states import Command
+from appliance.errors import EX_USAGE, ApplianceError
+from appliance.runtime import Runtime, runtime_of
+
+CellRequest = Request[Any, AuthInfo, Any]
+# Every route but the public /join (it has no caller account for the guard to read).
+SIGNED_IN = [password_current]
+PEER_ACTIONS = {"start": Command.START, "stop": Command.STOP, "restart": Command.RESTART}
+
+
+class JoinBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    token: str
+    head: str = ""  # the head's name for itself, for this member's audit log
+
+
+class EngineBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    confirm: bool = False
+
+
+class MemberBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    address: str
+    token: str
+    role: str = "unified"
+    verify_tls: bool = True  # false only for a member with a self-signed certificate
+
+
+def _actor(request: CellRequest) -> str:
+    return str(getattr(request.user, "username", "?"))
+
+
+def _peer(request: CellRequest) -> str:
+    """The calling head's credential prefix, or "" when not called with one."""
+    return request.auth.token_prefix if request.auth.kind == "peer" else ""
+
+
+async def _served(request: CellRequest, what: str, outcome: str = "ok",
+                  **detail: Any) -> None:
+    """The member's audit entry for a peer call it served (a head's, or a local admin's)."""
+    prefix = _peer(request)
+    await audit(runtime_of(request), actor=_actor(request), address=client_address(request),
+                action=what, outcome=outcome, target=prefix,
+                detail={"via": f"cell peer {prefix}" if prefix else f"api:{request.auth.kind}",
+                        **detail})
+
+
+# --- on a member ------------------------------------------------------------------------------
+
+
+@post("/join-tokens", status_code=201, guards=SIGNED_IN,
+      summary="Create a one-time join token (valid 1 hour)")
+async def create_join_token(request: CellRequest) -> dict[str, Any]:
+    runtime = runtime_of(request)
+    now = runtime.clock.now()
+    made = await runtime.db.run(lambda s: tokens.create_join_token(
+        s, runtime.secret, created_by=_actor(request), now=now))
+    await audit(runtime, actor=_actor(request), address=client_address(request),
+                action="cell.join_token.create", detail={"expires_at": made.expires_at.isoformat()})
+    return {"token": made.token, "expires_at": made.expires_at.isoformat(),
+            "hint": "on the head: `appliance cell add THIS_BOX_ADDRESS TOKEN` within the hour"}
+
+
+@post("/join", status_code=201, summary="A head exchanges a join token for a peer credential")
+async def join(request: CellRequest, data: JSONBody[JoinBody]) -> dict[str, Any]:
+    runtime = runtime_of(request)
+    now = runtime.clock.now()
+    address = client_address(request)
+    head = f"{data.head[:100]} ({address})" if data.head else address
+    result = await runtime.db.run(lambda s: tokens.redeem_join_token(
+        s, runtime.secret, data.token, head=head, now=now))
+    if isinstance(result, str):
+        await audit(runtime, actor="cell head", address=address, action="cell.join",
+                    outcome="denied", target=data.head[:100], detail={"reason": result})
+        words = {"malformed": "is not a join token", "unknown": "is not one this box made",
+                 "expired": "has expired (they last an hour)", "used": "was already used"}
+        raise ApplianceError(
+            "join_refused", f"the join token {words[result]}",
+            "on the member, create a new one with `appliance cell join-token` and use it on "
+            "the head within the hour", status=403)
+    await audit(runtime, actor="cell head", address=address, action="cell.join",
+                target=result.prefix, detail={"head": head})
+    return {"credential": result.credential, "prefix": result.prefix, "scope": tokens.SCOPE,
+            "member": {"hostname": socket.gethostname(), "version": __version__}}
+
+
+@delete("/peer", status_code=200, guards=SIGNED_IN,
+      summary="Leave the cell: revoke every head's credential")
+async def leave(request: CellRequest) -> dict[str, Any]:
+    runtime = runtime_of(request)
+    now = runtime.clock.now()
+    revoked = await runtime.db.run(lambda s: tokens.revoke_peers(s, now))
+    await audit(runtime, actor=_actor(request), address=client_address(request),
+                action="cell.leave", detail={"revoked": revoked})
+    return {"revoked": revoked}
+
+
+@get("/peer/status", guards=SIGNED_IN,
+      summary="This member's engine state and health (for its head)")
+async def peer_status(request: CellRequest) -> dict[str, Any]:
+    runtime = runtime_of(request)
+    status = runtime.supervisor.status
+    health = runtime.health.latest
+    failing = [r.id for r in health.results if r.level > 0 and r.id not in health.muted]
+    if _peer(request):
+        await _served(request, "cell.peer.status")
+    return {
+        "hostname": socket.gethostname(), "version": __version__,
+        "engine": {"state": status.state.value, "message": status.message,
+                   "since": status.since.isoformat() if status.since else None},
+        "health": {"overall": health.overall().label,
+                   "checked_at": health.at.isoformat() if health.at else None,
+                   "failing": failing},
+    }
+
+
+@post("/peer/engine/{action:str}", status_code=202, guards=SIGNED_IN,
+      summary="Start, stop or restart this member's engine (for its head)")
+async def peer_engine(request: CellRequest, action: FromPath[str],
+                      data: JSONBody[EngineBody | None] = None) -> dict[str, Any]:
+    command = PEER_ACTIONS.get(action)
+    if command is None:
+        await _served(request, "cell.peer.engine", "denied", action=action[:20])
+        raise ApplianceError("engine_action_unknown", f"unknown engine action {action[:20]!r}",
+                             "use start, stop or restart")
+    prefix = _peer(request)
+    via = f"cell peer {prefix}" if prefix else f"api:{request.auth.kind}"
+    try:
+        answer = await run_action(runtime_of(request), command, (data or EngineBody()).confirm,
+                                  _actor(request), client_address(request), via)
+    except ApplianceError as exc:
+        await _served(request, "cell.peer.engine", "denied", action=action, refused=exc.code)
+        raise
+    await _served(request, "cell.peer.engine", action=action)
+    return answer
+
+
+@delete("/peer/credential", status_code=200, guards=SIGNED_IN,
+      summary="A head gives up its own credential")
+async def release(request: CellRequest) -> dict[str, Any]:
+    prefix = _peer(request)
+    if not prefix:
+        raise ApplianceError(
+            "not_a_peer", "this route revokes the calling head's own cell credential, and this "
+                          "request carries none", "to leave the cell, DELETE /api/v1/cell/peer",
+            exit_code=EX_USAGE)
+    runtime = runtime_of(request)
+    now = runtime.clock.now()
+    revoked = await runtime.db.run(lambda s: tokens.revoke_peers(s, now, prefix))
+    await _served(request, "cell.peer.release")
+    return {"revoked": revoked}
+
+
+# --- on a head --------------------------------------------------------------------------------
+
+
+def _client(runtime: Runtime, request: CellRequest) -> PeerClient:
+    return PeerClient(partial(audit, runtime), actor=_actor(request),
+                      address=client_address(request))
+
+
+def _view(member: Member) -> dict[str, Any]:
+    return {"id": member.id, "address": member.address, "role": member.role,
+            "verify_tls": member.verify_tls, "credential": member.credential_prefix,
+            "added_at": member.added_at.isoformat(), "added_by": member.added_by}
+
+
+@post("/members", status_code=201, guards=SIGNED_IN,
+      summary="Add a member with the join token it made")
+async def add_member(request: CellRequest, data: JSONBody[MemberBody]) -> dict[str, Any]:
+    runtime = runtime_of(request)
+    address = membership.normalize_address(data.address)
+    role = membership.check_role(data.role)
+    existing = await runtime.db.run(lambda s: membership.find_member(s, address))
+    if existing is not None:
+        raise ApplianceError(
+            "member_exists", f"{address} is already member {existing.id} of this cell",
+            f"remove it first (`appliance cell remove {existing.id}`) to add it again",
+            status=409, exit_code=EX_USAGE)
+    answer = await _client(runtime, request).join(
+        address, data.token, verify_tls=data.verify_tls, head_name=socket.gethostname())
+    now = runtime.clock.now()
+    member = await runtime.db.run(lambda s: membership.add_member(
+        s, runtime.state_dir, address=address, role=role, verify_tls=data.verify_tls,
+        credential=str(answer["credential"]), prefix=str(answer["prefix"]),
+        added_by=_actor(request), now=now))
+    await audit(runtime, actor=_actor(request), address=client_address(request),
+                action="cell.member.add", target=address,
+                detail={"id": member.id, "role": role, "credential": member.credential_prefix,
+                        "verify_tls": data.verify_tls})
+    return {**_view(member), "member": answer.get("member", {})}
+
+
+async def _status(client: PeerClient, runtime: Runtime, member: Member) -> dict[str, Any]:
+    credential = membership.read_credential(runtime.state_dir, member.id)
+    if credential is None:
+        return {**_view(member), "status": "no_credential",
+                "error": "this head has lost the member's credential file; remove the member "
+                         "and add it again"}
+    try:
+        answer = await client.call(member, credential, "GET", "/api/v1/cell/peer/status")
+    except MemberUnreachable as exc:
+        return {**_view(member), "status": "unreachable", "error": exc.message}
+    except MemberRevoked as exc:
+        return {**_view(member), "status": "revoked", "error": exc.message, "hint": exc.hint}
+    except MemberRefused as exc:
+        return {**_view(member), "status": "refused", "error": exc.message}
+    return {**_view(member), "status": "ok", "engine": answer.get("engine"),
+            "health": answer.get("health"), "hostname": answer.get("hostname"),
+            "version": answer.get("version")}
+
+
+@get("/members", guards=SIGNED_IN,
+      summary="This head's members, each with its status")
+async def list_members(request: CellRequest) -> list[dict[str, Any]]:
+    runtime = runtime_of(request)
+    members = await runtime.db.run(membership.list_members)
+    client = _client(runtime, request)
+    return list(await asyncio.gather(*(_status(client, runtime, m) for m in members)))
+
+
+@delete("/members/{member_id:int}", status_code=200, guards=SIGNED_IN,
+        summary="Give up the member's credential (on it, if it answers) and forget it")
+async def remove_member(request: CellRequest, member_id: FromPath[int]) -> dict[str, Any]:
+    runtime = runtime_of(request)
+    member = await runtime.db.run(lambda s: membership.get_member(s, member_id))
+    credential = membership.read_credential(runtime.state_dir, member.id)
+    released, why = False, "this head had no credential file for it"
+    if credential is not None:
+        try:
+            await _client(runtime, request).call(member, credential, "DELETE",
+                                                 "/api/v1/cell/peer/credential")
+            released, why = True, ""
+        except (MemberUnreachable, MemberRevoked, MemberRefused) as exc:
+            why = exc.message
+    await runtime.db.run(lambda s: membership.forget_member(s, runtime.state_dir, member.id))
+    await audit(runtime, actor=_actor(request), address=client_address(request),
+                action="cell.member.remove", target=member.address,
+                detail={"id": member.id, "released_on_member": released,
+                        **({"why": why} if why else {})})
+    return {**_view(member), "released_on_member": released,
+            **({"note": f"not revoked on the member ({why}); an admin there can revoke it "
+                        "with `appliance cell leave`"} if why else {})}
+
+
+def cell_router() -> Router:
+    return Router(path="/api/v1/cell", tags=["cell"],
+                  route_handlers=[create_join_token, join, leave, peer_status, peer_engine,
+                                  release, add_member, list_members, remove_member])
+
