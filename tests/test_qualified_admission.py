@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from appliance.db.database import Database
+from appliance.db.models import Qualification
 from appliance.engine.publish import write_published, write_qualifying
 from appliance.gateway.qualified import (
     CONFIGURED,
@@ -305,3 +306,20 @@ def test_the_dashboard_and_usage_page_say_unqualified_then_the_qualified_point(
 def test_with_no_engine_the_standing_says_so(runtime: Runtime) -> None:
     assert _admission(runtime) == AdmissionStanding(
         None, "no engine is running, so the gateway admits nobody")
+
+
+def test_the_tuning_page_compares_the_split_before_and_after(db: Database) -> None:
+    from appliance.qualify.compare import measured
+
+    def done(spec: str, point: int, tuning: str) -> None:
+        qid = qualify(db, spec, point)
+        db.call(lambda s: setattr(s.get(Qualification, qid), "tuning", tuning))
+
+    assert measured([], SPEC).current is None
+    done(OTHER, 16, "profile chat, --mamba-full-memory-ratio 0.9")
+    only_before = measured(db.call(ledger.list_qualifications), SPEC)
+    assert only_before.current is None and only_before.change == ""
+    done(SPEC, 22, "profile chat, --mamba-full-memory-ratio 2.2")
+    both = measured(db.call(ledger.list_qualifications), SPEC)
+    assert both.change == "ratio 0.9: 16 at 32 tok/s → ratio 2.2: 22 at 32 tok/s"
+    assert measured(db.call(ledger.list_qualifications), None).current is None

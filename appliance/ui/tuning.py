@@ -44,6 +44,8 @@ from appliance.auth.middleware import client_address
 from appliance.engine.schedule import list_scheduled
 from appliance.engine.states import LIVE
 from appliance.errors import ApplianceError
+from appliance.qualify.compare import Measured, measured
+from appliance.qualify.ledger import list_qualifications
 from appliance.runtime import Runtime, runtime_of
 from appliance.tuning.chart import ratio_text
 from appliance.tuning.profiles import (
@@ -183,10 +185,17 @@ async def panel_context(runtime: Runtime, profile: str | None, *,
         context["problem"] = exc
         return context
     actions = await runtime.db.run(list_scheduled)
+    context["measured"] = await measured_capacity(runtime)
     context.update(v=view, chart=Markup(chart_for(view)),  # noqa: S704 - escaped by chart.py
                    scheduled=[a for a in actions
                               if a.command == "restart" and a.status == "pending"])
     return context
+
+
+async def measured_capacity(runtime: Runtime) -> Measured:
+    """The running spec's qualified point and the previous spec's (the ledger's newest)."""
+    records = await runtime.db.run(list_qualifications)
+    return measured(records, runtime.supervisor.running_spec_hash)
 
 
 def _htmx(request: AdminRequest) -> bool:
