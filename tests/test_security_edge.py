@@ -38,6 +38,7 @@ from appliance.headbounds import HeadLimits
 from appliance.resources import templates_dir
 from appliance.runtime import Runtime
 from appliance.server import uvicorn_config as console_config
+from appliance.ui.templating import configure_templates
 from tests.conftest import Console, LiveServer, csrf, free_port, problem
 
 HEAD = HeadLimits(timeout_s=1.0)  # the real size bounds; a timeout a test can wait out
@@ -283,7 +284,8 @@ def test_an_unhandled_error_logs_the_path_escaped(caplog: pytest.LogCaptureFixtu
 
     app = Litestar([boom], exception_handlers={Exception: _on_unexpected}, logging_config=None,
                    template_config=TemplateConfig(directory=templates_dir(),
-                                                  engine=JinjaTemplateEngine))
+                                                  engine=JinjaTemplateEngine,
+                                                  engine_callback=configure_templates))
     caplog.set_level(logging.ERROR)
     with TestClient(app) as client:
         assert client.get("/boom/a%0aforged").status_code == 500
