@@ -10,6 +10,7 @@ and database (conftest's LiveServer), so the test holds each box's fake clock.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import stat
 from collections.abc import Iterator
@@ -30,7 +31,7 @@ from appliance.db.schema import migrate
 from appliance.resources import migrations_dir
 from appliance.runtime import Runtime, build_runtime
 from appliance.testing.clock import FakeClock
-from tests.conftest import PASSWORD, LiveServer, make_config, problem
+from tests.conftest import PASSWORD, LiveServer, make_config, problem, run_cli
 
 
 @dataclass
@@ -245,3 +246,47 @@ def test_join_tokens_need_an_admin_and_the_join_route_no_login(boxes: tuple[Box,
     assert httpx.post(f"{member.url}/api/v1/cell/join", json={"token": "nope"}).status_code == 403
     assert member.api.post("/api/v1/cell/members", json={
         "address": "ftp://x", "token": "t"}).json()["code"] == "member_address_invalid"
+
+
+# --- the CLI, between two real `appliance serve` processes --------------------------------------
+
+
+def test_the_cli_joins_two_real_daemons(tmp_path: Path) -> None:
+    """`appliance cell join-token` on one daemon, `cell add` and `cell members` on another,
+    `cell leave` back on the first: each through its own daemon's API."""
+    from tests.test_server import Daemon, write_config
+
+    configs = {}
+    for name in ("head", "member"):
+        path = write_config(tmp_path / name)
+        assert run_cli("--config", str(path), "migrate").returncode == 0
+        made = run_cli("--config", str(path), "admin", "create", "--username", "alice",
+                       "--password-stdin", input=PASSWORD + "\n")
+        assert made.returncode == 0, made.stderr
+        configs[name] = path
+    daemons = {name: Daemon(path) for name, path in configs.items()}
+    try:
+        for daemon in daemons.values():
+            daemon.wait_ready()
+
+        def cell(name: str, *args: str) -> Any:
+            done = run_cli("--config", str(configs[name]), "cell", *args, "--json")
+            assert done.returncode == 0, (args, done.stdout, done.stderr)
+            return json.loads(done.stdout)
+
+        token = cell("member", "join-token")["token"]
+        member_url = daemons["member"].base_url
+        added = cell("head", "add", member_url, token)
+        assert added["address"] == member_url
+        [seen] = cell("head", "members")
+        assert (seen["status"], seen["engine"]["state"]) == ("ok", "stopped")
+        again = run_cli("--config", str(configs["head"]), "cell", "add", member_url, token)
+        assert again.returncode != 0 and "is already member 1" in again.stderr, again.stderr
+        assert cell("member", "leave")["revoked"] == [added["credential"]]
+        [seen] = cell("head", "members")
+        assert seen["status"] == "revoked"
+        listing = run_cli("--config", str(configs["head"]), "cell", "members")
+        assert "revoked this head's credential" in listing.stdout
+    finally:
+        for daemon in daemons.values():
+            daemon.stop()
