@@ -121,6 +121,7 @@ def test_head_adds_a_member_and_reads_its_status(boxes: tuple[Box, Box]) -> None
     [seen] = listed.json()
     assert seen["status"] == "ok", seen
     assert seen["engine"]["state"] == "stopped"
+    assert seen["member_role"] == "unified"  # the member's own [cell] role, as it reports it
     assert seen["health"]["overall"] in ("ok", "warn", "critical")
 
     # Audited on both boxes: the join and the status read, each by both sides.

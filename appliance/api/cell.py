@@ -145,6 +145,7 @@ async def peer_status(request: CellRequest) -> dict[str, Any]:
         await _served(request, "cell.peer.status")
     return {
         "hostname": socket.gethostname(), "version": __version__,
+        "role": runtime.config.cell.role,  # what its engine launches as ([cell] role)
         "engine": {"state": status.state.value, "message": status.message,
                    "since": status.since.isoformat() if status.since else None},
         "health": {"overall": health.overall().label,
@@ -244,7 +245,8 @@ async def _status(client: PeerClient, runtime: Runtime, member: Member) -> dict[
         return {**_view(member), "status": "revoked", "error": exc.message, "hint": exc.hint}
     except MemberRefused as exc:
         return {**_view(member), "status": "refused", "error": exc.message}
-    return {**_view(member), "status": "ok", "engine": answer.get("engine"),
+    return {**_view(member), "status": "ok", "member_role": answer.get("role"),
+            "engine": answer.get("engine"),
             "health": answer.get("health"), "hostname": answer.get("hostname"),
             "version": answer.get("version")}
 
