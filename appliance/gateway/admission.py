@@ -12,12 +12,13 @@ queue at once, and a slot granted to it in the same instant is handed back.
 Requests are also weighed by size against the engine's KV pool, once the gateway knows how
 much of it is free (`set_kv_free`, fed by the poll while there is work; None: unknown, not
 weighed). A request whose estimated prompt (`estimate_prompt_tokens`) is larger than its share
-of the free KV tokens (the free tokens divided among the slots not yet admitted) waits in the
-queue, as a request over the limit does, instead of being sent into a pool it would overflow
-(SGLang would retract running requests or let it wait inside the engine, where no timeout or
-fairness of ours applies). Each admitted prompt is taken off the free figure until the next
-reading. A request always starts when nothing else is admitted, so a large prompt waits for
-room but never forever (only up to its queue timeout).
+of the free KV tokens (the free tokens divided among the requests that share the pool now: the
+ones admitted and itself) waits in the queue, as a request over the limit does, instead of
+being sent into a pool it would overflow (SGLang would retract running requests or let it
+wait inside the engine, where no timeout or fairness of ours applies). Each admitted prompt
+is taken off the free figure until the next reading. A request always starts when nothing
+else is admitted, so a large prompt waits for room but never forever (only up to its queue
+timeout).
 
 Runs on the event loop; no locks, because nothing here awaits between reading and writing
 the counters.
@@ -78,11 +79,16 @@ class Admission:
         self._grant()
 
     def kv_share(self) -> int | None:
-        """The prompt tokens the next request may bring: the free KV tokens divided among
-        the slots not admitted yet (None: not weighed)."""
+        """The prompt tokens the next request may bring: the free KV tokens divided among the
+        requests that would share them (those admitted, and this one); None: not weighed.
+
+        Not divided among the empty slots: on an idle box with a limit of 62 that gave each
+        request 1/62 of the pool, less than one 8K prompt, and 8K prompts started one at a
+        time (48.8 output tok/s at 20 users where the engine alone served 404). The running
+        requests' own growth is what a full pool takes from a newcomer."""
         if self.kv_free is None:
             return None
-        return self.kv_free // max(1, self.limit - self.in_use)
+        return self.kv_free // (self.in_use + 1)
 
     def _fits(self, weight: int, tokens: int) -> bool:
         if self.in_use + weight > self.limit:
