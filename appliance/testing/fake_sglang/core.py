@@ -456,7 +456,10 @@ class Core:
                 self._fail(key, message)
             self._sync(engine)
             self._log_step(step)
-            await asyncio.sleep(step.duration * self.time_scale)
+            # Until the step's modelled end, not for its duration: the work done since it
+            # started (scheduling, logging) is then inside the step instead of adding to it,
+            # which made a loaded machine's emulator drift behind its model.
+            await asyncio.sleep(max(0.0, step.ends - self.clock()) * self.time_scale)
             for key, count in step.tokens.items():
                 box = self._mailboxes.get(key)
                 if box is not None:
