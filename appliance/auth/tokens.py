@@ -19,7 +19,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import delete, or_, select
 from sqlalchemy.orm import Session
 
 from appliance.auth.accounts import Admin, check_role, get_admin
@@ -99,6 +99,19 @@ def list_tokens(session: Session) -> list[TokenInfo]:
         .order_by(ApiToken.created_at.desc(), ApiToken.id.desc())
     ).all()
     return [_info(row, owner) for row, owner in rows]
+
+
+CLI_TOKEN_PREFIX = "cli "  # noqa: S105 - the name a daemon-backed command gives its token
+
+
+def drop_cli_token(session: Session, prefix: str, now: dt.datetime) -> int:
+    """Delete the CLI's own short-lived token once its command is done, and any earlier ones
+    that expired (a command killed before its cleanup): they must not pile up in the token
+    list. Returns how many went. Operators' tokens are never touched."""
+    gone = session.execute(delete(ApiToken).where(
+        ApiToken.name.startswith(CLI_TOKEN_PREFIX),
+        or_(ApiToken.prefix == prefix, ApiToken.expires_at < now)))
+    return int(getattr(gone, "rowcount", 0) or 0)
 
 
 def revoke_token(session: Session, prefix: str, now: dt.datetime) -> TokenInfo:

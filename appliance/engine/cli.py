@@ -178,10 +178,11 @@ def exec_spec(path: Path, engines_dir: Path | None = None) -> NoReturn:
 def daemon_api(config: Config, command: str) -> Iterator[httpx.Client]:
     """An HTTP client to the local daemon, carrying a 2-minute admin API token for this call
     with exactly the role `command` (e.g. "engine status") needs (auth/roles.py's
-    CLI_COMMANDS): a read works on a box whose only ready account is a viewer."""
+    CLI_COMMANDS): a read works on a box whose only ready account is a viewer. The token is
+    deleted when the call ends, whatever happened, so none is left in the token list."""
     from appliance.auth.accounts import list_admins
     from appliance.auth.roles import cli_role
-    from appliance.auth.tokens import create_token, revoke_token
+    from appliance.auth.tokens import CLI_TOKEN_PREFIX, create_token, drop_cli_token
     from appliance.db.database import Database
     from appliance.secrets import server_secret
 
@@ -207,7 +208,7 @@ def daemon_api(config: Config, command: str) -> Iterator[httpx.Client]:
                 "log in to the console once and choose a password, or create one with "
                 f"`appliance admin create --username NAME --role {role.value}`",
                 exit_code=EX_USAGE)
-        token, info = create_token(s, secret, able[0], f"cli {user}"[:64], now,
+        token, info = create_token(s, secret, able[0], f"{CLI_TOKEN_PREFIX}{user}"[:64], now,
                                    now + dt.timedelta(minutes=2), role)
         return token, info.prefix
 
@@ -224,12 +225,15 @@ def daemon_api(config: Config, command: str) -> Iterator[httpx.Client]:
         yield client
     except httpx.ConnectError:
         raise ApplianceError(
-            "daemon_unreachable", f"the appliance daemon does not answer on {host}:{server.port}",
-            "is it running? `systemctl status appliance` (or `make demo` in development)",
-            exit_code=75) from None
+            "daemon_unreachable", f"the appliance daemon does not answer at {client.base_url} "
+            f"(server.host and server.port of {config.source})",
+            "is it running? `systemctl status appliance` (or `make demo` in development); if "
+            "it listens elsewhere, point the command at its configuration with --config PATH "
+            "(or set APPLIANCE_SERVER_PORT)", exit_code=75) from None
     finally:
         client.close()
-        db.call(lambda s: revoke_token(s, prefix, dt.datetime.now(dt.UTC)))
+        # The call's token goes with it (deleted, not revoked: it would stay listed for ever).
+        db.call(lambda s: drop_cli_token(s, prefix, dt.datetime.now(dt.UTC)))
         db.dispose()
 
 
