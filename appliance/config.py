@@ -264,7 +264,7 @@ class EngineConfig:
     dcp_size: int = _key(8, _positive, "decode context parallel size")
     mem_fraction_static: float = _key(0.93, _fraction, "--mem-fraction-static")
     mamba_full_memory_ratio: float = _key(0.9, _positive_float,
-                                          "state:KV memory split (the tuning issue sets it)")
+                                          "state:KV memory split (the Tuning page sets it)")
     kv_cache_dtype: str = _key("fp8_e4m3", _kv_dtype, "--kv-cache-dtype")
     speculative: bool = _key(False, doc="DSPARK speculative decoding")
     extra_args: tuple[str, ...] = _key((), doc="operator flags appended to the argv")

@@ -39,6 +39,7 @@ from appliance.gateway.qualified import retry_after
 from appliance.gateway.sse import StreamMeter, Usage, usage_of
 from appliance.gateway.usage import UsageRecord
 from appliance.gateway.validate import ENDPOINTS, Endpoint, Parsed
+from appliance.sizes import bytes_text
 
 log = logging.getLogger(__name__)
 Message = MutableMapping[str, Any]
@@ -227,7 +228,7 @@ class GatewayApp:
 
     async def _read_body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
         too_big = GatewayError(413, "request_too_large",
-                               f"the body is larger than {self.max_body >> 20} MiB "
+                               f"the body is larger than {bytes_text(self.max_body)} "
                                "(gateway.max_body_mib)")
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):

@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 from appliance.db.models import GatewayKey
 from appliance.errors import ApplianceError
 from appliance.secrets import keyed_hash
+from appliance.sizes import when_text
 
 KEY_RE = re.compile(r"^sk-([0-9a-f]{8})-([A-Za-z0-9_-]{43})\Z")
 NAME_RE = re.compile(r"^[\w .@-]{1,64}\Z")
@@ -136,7 +137,7 @@ def create_key(session: Session, secret: bytes, *, name: str, owner: str, by: st
                              f"use at most {OWNER_MAX}", status=422)
     if expires_at is not None and expires_at <= now:
         raise ApplianceError(
-            "key_expiry_past", f"the expiry {expires_at.isoformat()} is in the past",
+            "key_expiry_past", f"the expiry {when_text(expires_at)} is in the past",
             "give a future date, or none for a key that does not expire", status=422)
     _check_limits(limits)
     prefix = secrets.token_hex(4)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.config import Config
+from appliance.sizes import bytes_text
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
     out = args.out or Path.cwd() / f"{default_name(now)}.tar.gz"
     bundle = build(config, out, actor=_actor(), since=since, now=now,
                    log_lines=args.lines or LOG_LINES)
-    print(f"appliance: support bundle written to {bundle.path} ({bundle.size / 2**20:.1f} MiB, "
+    print(f"appliance: support bundle written to {bundle.path} ({bytes_text(bundle.size)}, "
           f"{len(bundle.files)} files)")
     if bundle.skipped:
         print(f"appliance: {len(bundle.skipped)} parts were not collected; README.txt inside "

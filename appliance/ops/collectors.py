@@ -24,6 +24,7 @@ from typing import Any
 
 from appliance import __version__
 from appliance.ops.bundle import RUNS, Collector, Context, Part, Skip
+from appliance.sizes import bytes_text
 
 SUBPROCESS_TIMEOUT_S = 45.0
 JOURNAL_UNITS = ("appliance", "appliance-gateway")
@@ -180,10 +181,9 @@ def resources(ctx: Context) -> list[Part]:
     lines = []
     memory = psutil.virtual_memory()
     swap = psutil.swap_memory()
-    gib = 2**30
-    lines.append(f"memory   total {memory.total / gib:.1f} GiB, available "
-                 f"{memory.available / gib:.1f} GiB ({memory.percent}% used)")
-    lines.append(f"swap     total {swap.total / gib:.1f} GiB, used {swap.used / gib:.1f} GiB")
+    lines.append(f"memory   total {bytes_text(memory.total)}, available "
+                 f"{bytes_text(memory.available)} ({memory.percent}% used)")
+    lines.append(f"swap     total {bytes_text(swap.total)}, used {bytes_text(swap.used)}")
     lines.append(f"cpus     {psutil.cpu_count()} logical, load {os.getloadavg()}")
     boot = dt.datetime.fromtimestamp(psutil.boot_time(), dt.UTC)
     lines.append(f"booted   {boot.isoformat(timespec='seconds')}")
@@ -194,8 +194,8 @@ def resources(ctx: Context) -> list[Part]:
         try:
             where = nearest_existing(path)
             usage = psutil.disk_usage(str(where))
-            lines.append(f"{name:<8} {path}: {usage.free / gib:.1f} GiB free of "
-                         f"{usage.total / gib:.1f} GiB ({usage.percent}% used)")
+            lines.append(f"{name:<8} {path}: {bytes_text(usage.free)} free of "
+                         f"{bytes_text(usage.total)} ({usage.percent}% used)")
         except OSError as exc:
             lines.append(f"{name:<8} {path}: {exc.strerror or exc}")
     lines.append("")
