@@ -450,6 +450,28 @@ def _transfer_backend(value: str) -> str | None:
     return None if value in TRANSFER_BACKENDS else "one of " + ", ".join(TRANSFER_BACKENDS)
 
 
+def _listen_address(value: str) -> str | None:
+    import ipaddress
+
+    if not value:
+        return None
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return "empty (127.0.0.1) or this box's IP address on the cell network, e.g. 10.0.0.5"
+    return None
+
+
+def _router_host(value: str) -> str | None:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return "an IP address (127.0.0.1: the gateway on this box reaches the router)"
+    return None
+
+
 def _ratio_or_unset(value: float) -> str | None:
     ok = math.isfinite(value) and value >= 0
     return None if ok else "0 (SGLang sizes the host pool) or a positive number"
@@ -472,6 +494,32 @@ class CellConfig:
                                     "(prefix KV also kept in host DRAM)")
     hicache_ratio: float = _key(0.0, _ratio_or_unset, "--hicache-ratio (host pool : GPU pool); "
                                 "0: SGLang sizes it to fit host memory")
+    listen_address: str = _key("", _listen_address, "prefill/decode only: the engine's --host, "
+                                "this box's IP on the cell network; empty: 127.0.0.1")
+    router_host: str = _key("127.0.0.1", _router_host, "on the head: the address SGLang's "
+                            "router listens on (the gateway reaches it there)")
+    router_port: int = _key(30100, _port, "on the head: the port SGLang's router listens on")
+
+
+def engine_host(config: Config) -> str:
+    """The address the engine binds (its --host) and the box's own processes reach it at:
+    cell.listen_address on a prefill or decode member (SGLang binds its HTTP port and its
+    bootstrap server there, so the other boxes and the head's router can reach them), else
+    127.0.0.1. An unspecified address (0.0.0.0, ::) binds every interface, loopback too."""
+    cell = config.cell
+    if cell.role == "unified" or not cell.listen_address:
+        return "127.0.0.1"
+    return cell.listen_address
+
+
+def engine_url(config: Config) -> str:
+    """http://HOST:PORT where this box's daemon, health probe, qualification and gateway
+    reach the engine (`engine_host`, bracketed for IPv6; loopback for an unspecified one)."""
+    host = engine_host(config)
+    if host in ("0.0.0.0", "::"):  # noqa: S104 - bound to every interface, loopback included
+        host = "127.0.0.1"
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{config.engine.port}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -781,6 +829,10 @@ def _cross_check_cell(config: Config) -> None:
         raise ConfigError(config.source, "cell.bootstrap_port",
                           f"{cell.bootstrap_port}, already the engine's, console's or gateway's "
                           "port", "a port of its own (SGLang's default 8998)")
+    if cell.router_port in (config.engine.port, config.server.port, config.gateway.port):
+        raise ConfigError(config.source, "cell.router_port",
+                          f"{cell.router_port}, already the engine's, console's or gateway's "
+                          "port", "a port of its own (30100 by default)")
 
 
 def _cross_check_sso(config: Config) -> None:

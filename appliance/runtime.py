@@ -21,7 +21,7 @@ from appliance import __version__
 from appliance.auth.sessions import SessionPolicy
 from appliance.auth.throttle import LoginThrottle
 from appliance.clock import Clock, SystemClock
-from appliance.config import Config
+from appliance.config import Config, engine_url
 from appliance.db.database import Database
 from appliance.engine.client import EngineClient
 from appliance.engine.publish import StatusPublisher
@@ -119,7 +119,7 @@ def build_runtime(
     engine_key = write_engine_auth(config.paths.state_dir)
     supervisor = Supervisor(
         config=config, db=db, clock=clock, runner=runner or engine_runner(config), gpus=gpus,
-        client=EngineClient(f"http://127.0.0.1:{config.engine.port}", api_key=engine_key),
+        client=EngineClient(engine_url(config), api_key=engine_key),
         weights=weights,
         poll_interval=engine_poll_seconds, backoff_base=engine_backoff_seconds,
     )
@@ -170,7 +170,7 @@ def build_health(
     """The health monitor and its adapters: the engine probe (its own HTTP client, apart
     from the supervisor's), the host reader and the alert sender."""
     health = config.health
-    probe = EngineProbe(f"http://127.0.0.1:{config.engine.port}", transport=engine_transport,
+    probe = EngineProbe(engine_url(config), transport=engine_transport,
                         api_key=engine_key)
     alerts = Alerts(db=db, clock=clock, url=health.webhook_url, retries=health.webhook_retries,
                     box=socket.gethostname(), version=__version__, transport=webhook_transport,

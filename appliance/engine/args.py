@@ -267,10 +267,13 @@ def inputs_from_config(
     tuning_args: tuple[tuple[str, str | None], ...] = (),
     profile_args: tuple[tuple[str, str | None], ...] = (),
 ) -> LaunchInputs:
+    from appliance.config import engine_host
+
     engine = config.engine
     return LaunchInputs(
         model_path=model_dir(config.paths.models_dir, engine.model),
         served_model_name=engine.served_model_name,
+        host=engine_host(config),
         port=engine.port,
         tp_size=engine.tp_size,
         dcp_size=engine.dcp_size,

@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session
 
 from appliance.clock import Clock, SystemClock
 from appliance.config import Config
+from appliance.config import engine_url as local_engine_url
 from appliance.db.database import Database
 from appliance.engine.publish import Published, read_published
 from appliance.gateway.admission import Admission
@@ -252,7 +253,7 @@ def build_gateway(config: Config, *, clock: Clock | None = None, db: Database | 
     clock = clock or SystemClock()
     db = db or Database(config.database_url)
     gateway = config.gateway
-    upstream = Upstream(engine_url or f"http://127.0.0.1:{config.engine.port}",
+    upstream = Upstream(engine_url or local_engine_url(config),
                         float(gateway.first_byte_timeout_seconds),
                         engine_api_key(config.paths.state_dir))
     return GatewayParts(

@@ -37,7 +37,7 @@ import httpx
 
 from appliance import __version__
 from appliance.clock import Clock, SystemClock
-from appliance.config import Config
+from appliance.config import Config, engine_url
 from appliance.db.database import Database
 from appliance.engine.states import EngineState
 from appliance.gpu.port import GpuPort, GpuSnapshot, snapshot_with_timeout
@@ -237,7 +237,7 @@ async def engine_results(config: Config, db: Database | None, daemon_running: bo
         state = EngineState(published.state) if published else EngineState.STOPPED
     except ValueError:
         state = EngineState.STOPPED
-    probe = EngineProbe(f"http://127.0.0.1:{config.engine.port}", transport=transport,
+    probe = EngineProbe(engine_url(config), transport=transport,
                         api_key=read_engine_api_key(config.paths.state_dir))
     try:
         watcher = EngineWatcher(probe, config.health, config.engine.served_model_name, clock)

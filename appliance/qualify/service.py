@@ -29,7 +29,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from appliance.clock import Clock
-from appliance.config import Config
+from appliance.config import Config, engine_url
 from appliance.db.database import Database
 from appliance.db.journal import add_event
 from appliance.db.models import UsageRequest
@@ -120,7 +120,7 @@ class QualifyService:
         self._progress: Progress | None = None
 
     def _default_runner(self, settings: plan.Settings) -> LoadRunner:
-        return LoadRunner(f"http://127.0.0.1:{self.config.engine.port}",
+        return LoadRunner(engine_url(self.config),
                           api_key=read_engine_api_key(self.config.paths.state_dir),
                           model=self.config.engine.served_model_name,
                           wedge_seconds=settings.wedge_seconds)
