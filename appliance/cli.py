@@ -419,6 +419,11 @@ def _run(argv: Sequence[str] | None) -> int:
             # The engine unit runs this as its own user, which may not write the daemon's
             # state or log directories (ProtectSystem=strict): the spec is all it needs.
             engine_cli.exec_spec(args.spec, args.engines_dir)
+        if args.command == "cell" and args.cell_command == "exec-router" and args.spec:
+            from appliance.cell.router_exec import exec_router
+
+            # Like exec-spec: the spec (and the key file it names) is all the router needs.
+            exec_router(args.spec, args.router_dir)
         # `tune` reads no state of the box unless asked: with every input on the command
         # line it needs no configuration file, like `engine parse-log`.
         reads_only = args.command == "tune"

@@ -234,7 +234,7 @@ CLI_LOCAL: Final[frozenset[str]] = frozenset({
     "admin create", "admin reset-password", "admin set-role", "admin list",
     "token create", "token list", "token revoke",
     "keys create", "keys list", "keys revoke", "keys limits",
-    "engine parse-log", "engine exec-spec", "weights export-manifest",
+    "engine parse-log", "engine exec-spec", "cell exec-router", "weights export-manifest",
     "tune predict", "tune recommend", "tune profiles",
 })
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from appliance.config import Config
@@ -38,12 +39,24 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     leave = csub.add_parser("leave", parents=[common],
                             help="on a member: revoke the head's credential (leave the cell)")
     leave.add_argument("--json", action="store_true")
+    router = csub.add_parser("exec-router", parents=[common],
+                             help="exec the head's router spec (appliance-router.service)")
+    router.add_argument("--spec", type=Path,
+                        help="default: <state_dir>/cell/router-spec.json")
+    router.add_argument("--router-dir", type=Path, default=None,
+                        help="the only directory whose Python the spec may run "
+                             "(default /opt/appliance/router, what the installer builds)")
 
 
 def run(args: argparse.Namespace, config: Config) -> int:
     from appliance.engine.cli import checked, daemon_api
 
     command = args.cell_command
+    if command == "exec-router":
+        from appliance.cell.router import router_spec_path
+        from appliance.cell.router_exec import exec_router
+
+        exec_router(args.spec or router_spec_path(config.paths.state_dir), args.router_dir)
     with daemon_api(config, f"cell {command}") as api:
         if command == "join-token":
             body = checked(api.post(f"{API}/join-tokens"), "cell_api")
