@@ -336,6 +336,10 @@ def test_stop_drains_an_in_flight_stream_then_the_group_is_gone(
             assert group_gone(pid)
 
     run(scenario)
+    # The run says how the stop went, for the Engine page's stopped card.
+    [last] = db.call(lambda s: list_runs(s))
+    assert last.hint.startswith("stopped by tester, after draining 1 request in flight; "
+                                "SIGTERM sent at "), last.hint
 
 
 def test_port_held_by_a_stranger_is_refused_and_left_alone(

@@ -647,29 +647,41 @@ class Supervisor:
             self._transition(EngineState.STOPPED, "stopped", next_retry_at=None)
             return
         live.stopping = True
+        drained = ""
         if self._status.state in SERVING:
             self._transition(EngineState.DRAINING, "draining: waiting for in-flight requests")
-            await self._drain(float(self.config.engine.drain_seconds))
+            drained = await self._drain(float(self.config.engine.drain_seconds))
         self._transition(EngineState.STOPPING, "stopping: SIGTERM sent")
+        sent = self.clock.now().astimezone(dt.UTC).strftime("%H:%M:%S UTC")
         code = await self._terminate(live, grace=float(self.config.engine.kill_after_seconds))
-        await self._close_run(live, exit_code=code, reason="stopped", hint=f"stopped by {actor}")
+        # What the stopped card says of the stop: who, the drain, the signal and when.
+        await self._close_run(live, exit_code=code, reason="stopped",
+                              hint=f"stopped by {actor}{drained}; SIGTERM sent at {sent}")
         await self._confirm_gpus_free(live)
         self._transition(EngineState.STOPPED, "stopped", reason=None, hint="", percent=None,
                          eta_seconds=None)
         await self._event("info", f"engine stopped by {actor}")
 
-    async def _drain(self, deadline: float) -> None:
-        """Wait until the engine has no running or queued request, up to `deadline` s."""
+    async def _drain(self, deadline: float) -> str:
+        """Wait until the engine has no running or queued request, up to `deadline` s; says
+        how the drain went (", after draining 3 requests in flight"), for the run's record."""
         start = self.clock.monotonic()
+        first: int | None = None
+        remaining: int | None = None
         while self.clock.monotonic() - start < deadline:
             remaining = await self.client.in_flight()
+            first = remaining if first is None else first
             if remaining == 0:
-                return
+                if not first:
+                    return ", with no request in flight"
+                return f", after draining {first} request{'s' if first != 1 else ''} in flight"
             self._set(message=f"draining: {remaining if remaining is not None else '?'} "
                               "requests in flight")
             await asyncio.sleep(self.poll_interval)
         await self._event("warning", f"drain deadline of {deadline:.0f} s passed with "
                                      "requests still in flight; stopping anyway")
+        left = "some" if remaining is None else str(remaining)
+        return f", with {left} still in flight at the {deadline:.0f} s drain deadline"
 
     async def _terminate(self, live: _Live, grace: float) -> int | None:
         """SIGTERM the main process, wait up to `grace` s, then SIGKILL the whole group."""
