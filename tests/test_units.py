@@ -51,7 +51,8 @@ from tests.conftest import REPO
 SYSTEMD = REPO / "systemd"
 DAEMON, GATEWAY = "appliance.service", "appliance-gateway.service"
 ENGINE = "appliance-engine.service"
-UNITS = (DAEMON, GATEWAY, ENGINE)
+ROUTER = "appliance-router.service"  # a cell head's sglang-router
+UNITS = (DAEMON, GATEWAY, ENGINE, ROUTER)
 SOCKET = "appliance-gateway.socket"  # the gateway's listener, held by systemd
 UNIT_FILES = (*UNITS, SOCKET)
 UNIT_DIR = "usr/local/lib/systemd/system"  # where the installer puts vendor units (§0 item 5)
@@ -65,7 +66,7 @@ DAEMON_USER, ENGINE_USER, GROUP = "appliance", "appliance-engine", "appliance"
 # keeps device access (NVML), network, other users' /proc (it follows the engine's processes)
 # and no system-call allow-list yet (to be tried on the box: NVML through ctypes); the engine
 # needs the GPUs, /proc, writable executable memory (JIT) and NCCL's sockets.
-EXPOSURE_CEILING = {DAEMON: 1.9, GATEWAY: 1.2, ENGINE: 3.8}
+EXPOSURE_CEILING = {DAEMON: 1.9, GATEWAY: 1.2, ENGINE: 3.8, ROUTER: 1.2}
 
 DEPENDENCY_KEYS = ("Requires", "Requisite", "Wants", "BindsTo", "PartOf", "Upholds",
                    "Conflicts", "PropagatesReloadTo", "ReloadPropagatedFrom",
@@ -249,6 +250,7 @@ def test_exposure_stays_at_or_below_what_was_measured(
 
 def test_the_gateway_is_hardened_more_than_the_daemon(staging: Path) -> None:
     assert exposure(staging, GATEWAY) < exposure(staging, DAEMON)
+    assert exposure(staging, ROUTER) < exposure(staging, DAEMON)
 
 
 # --- users and directories --------------------------------------------------------------------
@@ -432,6 +434,13 @@ def test_the_daemon_user_may_manage_the_engine_unit(verb: str) -> None:
     assert polkit_decides(MANAGE, {"unit": ENGINE, "verb": verb}, DAEMON_USER) == "yes"
 
 
+@pytest.mark.parametrize("verb", ["start", "stop", "restart"])
+def test_the_daemon_user_may_start_stop_and_restart_the_router(verb: str) -> None:
+    assert polkit_decides(MANAGE, {"unit": ROUTER, "verb": verb}, DAEMON_USER) == "yes"
+    assert polkit_decides(MANAGE, {"unit": ROUTER, "verb": verb}, "mallory",
+                          ("mallory", GROUP)) == "not handled"
+
+
 @pytest.mark.parametrize(("action", "details", "user"), [
     # other verbs on the engine unit
     (MANAGE, {"unit": ENGINE, "verb": "reload"}, DAEMON_USER),
@@ -445,6 +454,12 @@ def test_the_daemon_user_may_manage_the_engine_unit(verb: str) -> None:
     (MANAGE, {"unit": "appliance-engine.service.d", "verb": "start"}, DAEMON_USER),
     (MANAGE, {"unit": "appliance-engine@x.service", "verb": "start"}, DAEMON_USER),
     (MANAGE, {"verb": "start"}, DAEMON_USER),
+    # the router: started, stopped and restarted, never signalled or reloaded
+    (MANAGE, {"unit": ROUTER, "verb": "kill"}, DAEMON_USER),
+    (MANAGE, {"unit": ROUTER, "verb": "reload"}, DAEMON_USER),
+    (MANAGE, {"unit": ROUTER}, DAEMON_USER),
+    (MANAGE, {"unit": ROUTER, "verb": "start"}, ENGINE_USER),
+    (MANAGE, {"unit": "appliance-router@x.service", "verb": "start"}, DAEMON_USER),
     # other users, the engine's own included, and a member of the group
     (MANAGE, {"unit": ENGINE, "verb": "start"}, ENGINE_USER),
     (MANAGE, {"unit": ENGINE, "verb": "start"}, "nobody"),
@@ -477,7 +492,7 @@ def exec_start(unit: Unit) -> list[str]:
 
 
 @pytest.mark.parametrize(("name", "command"), [
-    (DAEMON, "serve"), (GATEWAY, "gateway"), (ENGINE, "engine")])
+    (DAEMON, "serve"), (GATEWAY, "gateway"), (ENGINE, "engine"), (ROUTER, "cell")])
 def test_exec_start_is_the_current_release_and_parses_with_the_cli(
     units: dict[str, Unit], name: str, command: str
 ) -> None:
@@ -501,6 +516,26 @@ def test_the_engine_unit_runs_the_spec_and_writes_the_log_the_daemon_follows(
     assert engine.get("StandardOutput") == f"append:{runner.log_path}"
     assert engine.get("StandardError") == "inherit"
     assert systemd_runner.UNIT == ENGINE
+
+
+def test_the_router_runs_its_spec_as_the_daemons_user_and_belongs_to_the_daemon(
+    units: dict[str, Unit], config: Config
+) -> None:
+    from appliance.cell.router import DEFAULT_ROUTER_DIR, engine_key_file, router_spec_path
+
+    router = units[ROUTER]
+    args = build_parser().parse_args(exec_start(router)[1:])
+    assert args.cell_command == "exec-router"
+    assert args.spec == router_spec_path(config.paths.state_dir)
+    assert args.router_dir == DEFAULT_ROUTER_DIR
+    assert (router.get("User"), router.get("Group")) == (DAEMON_USER, GROUP)
+    assert "Install" not in router.sections  # the daemon starts it on a head
+    assert router.words("BindReadOnlyPaths") == [
+        str(config.paths.models_dir), str(router_spec_path(config.paths.state_dir).parent),
+        str(engine_key_file(config.paths.state_dir))]
+    assert router.get("PrivateDevices") == "yes"
+    assert router.words("RestrictAddressFamilies") == ["AF_UNIX", "AF_INET", "AF_INET6"]
+    assert router.get("Environment") == "HF_HUB_OFFLINE=1"
 
 
 def test_the_engine_lifecycle_belongs_to_the_daemon(

@@ -42,7 +42,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     router = csub.add_parser("exec-router", parents=[common],
                              help="exec the head's router spec (appliance-router.service)")
     router.add_argument("--spec", type=Path,
-                        help="default: <state_dir>/cell/router-spec.json")
+                        help="default: <state_dir>/router/router-spec.json")
     router.add_argument("--router-dir", type=Path, default=None,
                         help="the only directory whose Python the spec may run "
                              "(default /opt/appliance/router, what the installer builds)")

@@ -224,8 +224,10 @@ def build_router_spec(inputs: RouterInputs) -> RouterSpec:
 
 
 def router_spec_path(state_dir: Path) -> Path:
-    """Where the head's router spec lies (appliance-router.service's ExecStart names it)."""
-    return state_dir / "cell" / "router-spec.json"
+    """Where the head's router spec lies (appliance-router.service's ExecStart names it): a
+    directory of its own, the one part of the state directory the router unit sees besides
+    the weights and the engine key."""
+    return state_dir / "router" / "router-spec.json"
 
 
 def engine_key_file(state_dir: Path) -> Path:
