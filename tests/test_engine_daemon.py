@@ -120,7 +120,7 @@ def test_kill_9_daemon_while_loading_then_adopt(box: Path) -> None:
         assert serving["adopted"] is True and serving["run_id"] == loading["run_id"]
         assert emulators(port) == pids
         refused = run_cli("--config", str(box), "engine", "stop")
-        assert refused.returncode != 0 and "confirm" in refused.stderr
+        assert refused.returncode != 0 and "repeat with --yes" in refused.stderr
         stopped = engine_cli(box, "stop", "--yes")
         assert stopped["pending"] == "stop" or stopped["state"] in ("draining", "stopping")
         wait_state(box, {"stopped"})
