@@ -4,13 +4,14 @@ page opens with what fails, above the groups, and folds the rest."""
 from __future__ import annotations
 
 import datetime as dt
+from types import SimpleNamespace
 
 import jinja2
 
 from appliance.health.model import CheckResult, HealthSnapshot, Level
 from appliance.health.views import health_page
 from appliance.resources import templates_dir
-from appliance.ui.templating import filters
+from appliance.ui.templating import can, filters
 
 AT = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
 SNAPSHOT = HealthSnapshot(AT, (
@@ -28,8 +29,10 @@ SNAPSHOT = HealthSnapshot(AT, (
 def render(page: object) -> str:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(templates_dir()), autoescape=True)
     env.filters.update(filters())
+    env.globals["can"] = can  # the board hides the mute forms from a viewer
+    operator = SimpleNamespace(scope={"user": SimpleNamespace(role="operator")})
     return env.get_template("partials/health_board.html").render(
-        page=page, durations=(), error=None, notice="", csrf_input="")
+        page=page, durations=(), error=None, notice="", csrf_input="", request=operator)
 
 
 def test_unchecked_rows_are_grey_and_counted_apart() -> None:
