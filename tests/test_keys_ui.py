@@ -124,7 +124,7 @@ def test_create_shows_the_key_once_with_a_warning(logged_in: Console, runtime: R
     ({"tokens_per_day": "lots"}, "Tokens per day: 'lots' is not a whole number"),
     ({"max_tokens": "1.5"}, "Max tokens per request: '1.5' is not a whole number"),
     ({"max_tokens": "9" * 30}, "is not a whole number from 1 to 2,147,483,647"),
-    ({"expires": "2026-11-01"}, "The expiry 2026-11-01T00:00:00+00:00 is in the past."),
+    ({"expires": "2026-11-01"}, "The expiry 2026-11-01 00:00:00 UTC is in the past."),
     ({"expires": "someday"}, "The expiry 'someday' is not a date, a time or a number of days."),
 ])
 def test_refusals_are_shown_by_the_form_and_create_nothing(
