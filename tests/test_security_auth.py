@@ -346,13 +346,24 @@ def test_log_stream_keeps_going_while_the_token_is_valid(logged_in: Console, ser
         assert response.status_code == 200
         for _ in range(3):
             clock.advance(RECHECK_SECONDS + 1)
-        with log_path.open("a") as handle:
-            handle.write("[2026-11-30 12:00:00 TP0] still streaming\n")
+
+        def write_until_seen() -> None:
+            # The stream follows the file from where it stood when it opened, which a loaded
+            # box may reach after a first write: write again until a line has come through.
+            for _ in range(40):
+                with log_path.open("a") as handle:
+                    handle.write("[2026-11-30 12:00:00 TP0] still streaming\n")
+                if got.wait(0.5):
+                    return
+
+        writer = threading.Thread(target=write_until_seen, daemon=True)
+        writer.start()
         for line in response.iter_lines():
             if "still streaming" in line:
                 got.set()
                 break
             assert line != "event: unauthorized"
+        writer.join(timeout=5)
     assert got.is_set()
 
 
