@@ -125,7 +125,7 @@ def test_pull_watch_progress_to_ready_then_verify_full(
     expect(status.get_by_role("button", name="Cancel")).to_be_visible()
     # Decimal units throughout, as the Hub shows file sizes.
     figures = re.compile(r"\d+% · [\d.]+ (B|kB|MB|GB) of [\d.]+ MB · (< )?[\d.]+ [MG]B/s · "
-                         r"about [\dms ]+ left")
+                         r"about [\d a-z]+ left")  # the ETA in words: "about 5 seconds left"
     expect(status.locator(".figures")).to_contain_text(figures, timeout=LONG)
     # A shard's own bar moves while it downloads, with its rate beside it.
     moving = rows.filter(has=page.locator("progress:not([value='0.0'])")).filter(

@@ -16,6 +16,7 @@ import datetime as dt
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from sqlalchemy.orm import Session
@@ -302,12 +303,14 @@ def _render(template: str, view: WeightsView, **extra: object) -> str:
     from jinja2 import Environment, FileSystemLoader
 
     from appliance.resources import templates_dir
-    from appliance.ui.templating import filters
+    from appliance.ui.templating import can, filters
     from appliance.ui.weights import MOVING, sentence, state_counts
     from appliance.weights.views import bytes_text
 
     env = Environment(loader=FileSystemLoader(templates_dir()), autoescape=True)
     env.filters.update(filters())
+    env.globals["can"] = can  # the actions show for an operator
+    extra.setdefault("request", SimpleNamespace(scope={"user": SimpleNamespace(role="operator")}))
     return env.get_template(template).render(
         w=view, files=sort_files(view.files), counts=state_counts(view),
         ready=readiness(view, REPO_ID), rate=rate_text, sentence=sentence, moving=MOVING,
