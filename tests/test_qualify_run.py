@@ -239,7 +239,9 @@ def test_qualify_the_calibrated_emulator_with_the_harsh_load(
             assert post_action(console, "start").status_code == 202
             wait_state(console.http, "ready")
             started = console.http.post(f"{API}/run", headers=csrf(console), json={
-                "ladder": [1, 2, 4, 8, 12, 16, 24], "repeats": 1, "floor": 32 / SCALE,
+                # from 4: the steps below take a minute of CI and prove nothing the short
+                # ladder test does not
+                "ladder": [4, 8, 12, 16, 24], "repeats": 1, "floor": 32 / SCALE,
                 "wedge_seconds": 60 * SCALE, "confirm": True})
             assert started.status_code == 202, started.text
             qid = started.json()["id"]
@@ -252,7 +254,7 @@ def test_qualify_the_calibrated_emulator_with_the_harsh_load(
     assert record["qualified"] in (8, 12), [(s["concurrency"], s["decode_p10"], s["reasons"])
                                             for s in record["steps"]]
     steps = {s["concurrency"]: s for s in record["steps"]}
-    assert all(steps[c]["passed"] for c in (1, 2, 4, 8) if c <= record["qualified"])
+    assert all(steps[c]["passed"] for c in (4, 8) if c <= record["qualified"])
     failing = record["steps"][-1]
     assert not failing["passed"] and failing["concurrency"] in (12, 16)
     assert failing["failures"] == 0 and not failing["wedged"]  # slow, not broken
