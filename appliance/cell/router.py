@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.atomic import write_atomic
+from appliance.engine.args import json_pair, json_strings
 
 ROUTER_SPEC_FORMAT = "appliance-router-spec/1"
 DEFAULT_ROUTER_DIR = Path("/opt/appliance/router")
@@ -131,9 +132,9 @@ class RouterSpec:
             raise ValueError(f"router spec is not format {ROUTER_SPEC_FORMAT}; rebuild it")
         try:
             spec = cls(
-                command=_strings(body["command"]),
-                args=_strings(body["args"]),
-                env=tuple(_pair(item) for item in body["env"]),
+                command=json_strings(body["command"], "command"),
+                args=json_strings(body["args"], "args"),
+                env=tuple(json_pair(item, "env") for item in body["env"]),
                 key_file=_string(body["key_file"]),
                 workers=tuple(Worker(**item) for item in body["workers"]),
                 spec_hash=_string(body["spec_hash"]),
@@ -152,19 +153,6 @@ def _string(value: object) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{value!r} is not a string")
     return value
-
-
-def _strings(value: object) -> tuple[str, ...]:
-    if not isinstance(value, list):
-        raise TypeError(f"{value!r} is not a list")
-    return tuple(_string(item) for item in value)
-
-
-def _pair(value: object) -> tuple[str, str]:
-    items = _strings(value)
-    if len(items) != 2:
-        raise ValueError(f"{value!r} is not a NAME, VALUE pair")
-    return items[0], items[1]
 
 
 def router_spec_hash(command: Sequence[str], args: Sequence[str],

@@ -229,9 +229,9 @@ class LaunchSpec:
             raise ValueError(f"launch spec is not format {SPEC_FORMAT}; rebuild it")
         try:
             spec = cls(
-                command=_strings(body["command"], "command"),
+                command=json_strings(body["command"], "command"),
                 args=tuple(_arg_from_json(item) for item in body["args"]),
-                env=tuple(_pair(item) for item in body["env"]),
+                env=tuple(json_pair(item, "env") for item in body["env"]),
                 spec_hash=str(body["spec_hash"]),
             )
         except KeyError as exc:
@@ -512,16 +512,20 @@ def _arg_from_json(item: Any) -> ArgSource:
         value=value,
         origin=Origin(item["origin"]),
         note=str(item.get("note", "")),
-        more_values=_strings(item.get("more_values", []), "more_values"),
+        more_values=json_strings(item.get("more_values", []), "more_values"),
     )
 
 
-def _pair(item: Any) -> tuple[str, str]:
-    name, value = _strings(item, "env")
-    return name, value
+def json_pair(item: Any, what: str) -> tuple[str, str]:
+    """A [NAME, VALUE] pair read from a spec file (the launch spec's and the router's env)."""
+    items = json_strings(item, what)
+    if len(items) != 2:
+        raise ValueError(f"{what} entry {item!r} is not a NAME, VALUE pair")
+    return items[0], items[1]
 
 
-def _strings(items: Any, what: str) -> tuple[str, ...]:
+def json_strings(items: Any, what: str) -> tuple[str, ...]:
+    """A list of strings read from a spec file; TypeError naming `what` otherwise."""
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
         raise TypeError(f"{what} must be a list of strings")
     return tuple(items)
