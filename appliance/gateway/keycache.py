@@ -17,8 +17,6 @@ limits how many a client address may send.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import datetime as dt
 import hmac
 
@@ -27,6 +25,7 @@ from sqlalchemy.orm import Session
 from appliance.db.database import Database
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.keys import KeyEntry, keys_version, load_entries, prefix_of
+from appliance.gateway.polls import PollCount
 from appliance.secrets import keyed_hash
 
 MISSING = GatewayError(401, "invalid_api_key",
@@ -60,8 +59,7 @@ class KeyCache:
         self._version: tuple[int, dt.datetime | None] | None = None
         self._dummy_hash = keyed_hash(secret, _DUMMY_KEY)
         self._polls_started = 0
-        self._polls_done = 0
-        self._polled: asyncio.Event | None = None
+        self._polls_done = PollCount()
 
     async def refresh(self) -> None:
         ticket = self.poll_started()
@@ -87,10 +85,7 @@ class KeyCache:
 
     def poll_done(self, ticket: int) -> None:
         """A poll ended (read the keys, or failed): wake the keys waiting for it."""
-        self._polls_done = max(self._polls_done, ticket)
-        if self._polled is not None:
-            self._polled.set()
-            self._polled = None
+        self._polls_done.advance(to=ticket)
 
     def authenticate(self, key: str | None, now: dt.datetime) -> KeyEntry:
         """The key's entry, or a 401 GatewayError (from memory only)."""
@@ -119,14 +114,4 @@ class KeyCache:
 
     async def _next_poll(self) -> None:
         """Until a poll that starts after this call has ended, or `failed_wait` passed."""
-        target = self._polls_started + 1
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.failed_wait
-        while self._polls_done < target:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return
-            if self._polled is None:
-                self._polled = asyncio.Event()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._polled.wait(), remaining)
+        await self._polls_done.wait_past(self._polls_started + 1, self.failed_wait)

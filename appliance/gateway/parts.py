@@ -37,6 +37,7 @@ from appliance.gateway.history import HistoryTracker
 from appliance.gateway.keycache import KeyCache
 from appliance.gateway.limits import KeyLimiter
 from appliance.gateway.metrics import GatewayMetrics
+from appliance.gateway.polls import PollCount
 from appliance.gateway.qualified import (
     FALLBACK_LIMIT,
     AdmissionLimit,
@@ -94,8 +95,7 @@ class GatewayParts:
     _polled_at: float = field(default=-1e9)  # monotonic, the start of the last good poll
     _backed_off: bool = False  # the poll is in its idle wait
     _wake: asyncio.Event | None = None
-    _polls: int = 0  # good polls so far
-    _polled: asyncio.Event | None = None  # set (and replaced) after each good poll
+    _polls: PollCount = field(default_factory=PollCount)  # good polls so far
     kv_readings: int = 0  # readings of the engine's KV use so far
     qualified_reader: QualifiedReader = field(default_factory=QualifiedReader)
     qualified: QualifiedPoint | None = None  # the running spec's, as the last poll read it
@@ -143,10 +143,7 @@ class GatewayParts:
         self._apply_limit()
         await self._read_kv()
         self._polled_at = started
-        self._polls += 1
-        if self._polled is not None:
-            self._polled.set()
-            self._polled = None
+        self._polls.advance()
 
     def _apply_limit(self) -> None:
         """The one place admission's limit is set (every poll; a change is logged): the
@@ -207,16 +204,8 @@ class GatewayParts:
             self._wake.set()
         if loop.time() - self._polled_at < self.poll_interval:
             return
-        target = self._polls + 1
-        deadline = loop.time() + FRESH_WAIT_MAX
-        while self._polls < target:  # a failed poll does not count; the deadline bounds it
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return
-            if self._polled is None:
-                self._polled = asyncio.Event()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._polled.wait(), remaining)
+        # a failed poll does not count; the deadline bounds the wait
+        await self._polls.wait_past(self._polls.value + 1, FRESH_WAIT_MAX)
 
     async def _pause(self) -> None:
         """Until the next poll: `poll_interval` at least, up to `idle_poll_interval` while
