@@ -65,6 +65,9 @@ def test_cell_values_load_from_file_and_environment(tmp_path: Path) -> None:
     ('role = "decode"\nhierarchical_cache = true', "cell.hierarchical_cache"),
     ("hierarchical_cache = true", "cell.hierarchical_cache"),
     ('role = "prefill"\nbootstrap_port = 30000', "cell.bootstrap_port"),
+    ('listen_address = "box-2.cell"', "cell.listen_address"),
+    ('router_host = "localhost"', "cell.router_host"),
+    ("router_port = 30000", "cell.router_port"),
 ])
 def test_bad_cell_values_name_their_key(tmp_path: Path, body: str, key: str) -> None:
     path = tmp_path / "appliance.toml"
