@@ -14,14 +14,20 @@ On a member:
 
 On a head:
 - `cell_members`: the members it drives. The credential itself is not here but in a 0600 file
-  under `state_dir/secrets/cell/` (a copy of the database alone cannot call a member).
+  under `state_dir/secrets/cell/` (a copy of the database alone cannot call a member). What
+  the head last saw of each member's engine through the peer API (`engine_url`,
+  `bootstrap_port`, `reported_role`, `engine_state`, `capacity`, `seen_at`; migration
+  `0013_cell_watch`) is kept too: the router's spec is built from it, so a member that stops
+  answering keeps its place in the router (whose health checks take it out) instead of
+  forcing a router restart.
+- `cell_status`: one row the head's daemon writes for its gateway (appliance.cell.published).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import Boolean, Integer, String
+from sqlalchemy import Boolean, Float, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from appliance.db.models import Base, UTCDateTime
@@ -62,3 +68,22 @@ class CellMemberRow(Base):
     credential_prefix: Mapped[str] = mapped_column(String(16), nullable=False)
     added_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
     added_by: Mapped[str] = mapped_column(String(64), nullable=False)
+    engine_url: Mapped[str | None] = mapped_column(String(300), nullable=True)
+    bootstrap_port: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    reported_role: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    engine_state: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    capacity: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    seen_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class CellStatusRow(Base):
+    __tablename__ = "cell_status"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    active: Mapped[bool] = mapped_column(Boolean, nullable=False)
+    upstream_url: Mapped[str] = mapped_column(String(300), nullable=False)
+    serving: Mapped[bool] = mapped_column(Boolean, nullable=False)
+    message: Mapped[str] = mapped_column(Text, nullable=False)
+    eta_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    capacity: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
