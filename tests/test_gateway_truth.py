@@ -185,17 +185,23 @@ def test_the_gateway_holds_a_prompt_the_engines_kv_pool_cannot_take(
                     return client.post(f"{live.url}/v1/chat/completions", headers=auth(key),
                                        json=chat_body(content, max_tokens=max_tokens))
 
-                fillers = [asyncio.ensure_future(send(f"{i} {filler}", 60)) for i in range(3)]
+                # 160 tokens at 0.05 s: the fillers hold their KV for 8 s, room for a slow
+                # machine to see all three run and two pool readings (60 tokens, 3 s, was
+                # too short on CI: the fillers had finished before the share was read)
+                fillers = [asyncio.ensure_future(send(f"{i} {filler}", 160)) for i in range(3)]
                 parts = live.parts
                 for _ in range(600):  # the three run, and the gateway read the pool since
                     if emulator_stats(engine)["running"] == 3:
                         break
                     await asyncio.sleep(0.05)
+                assert emulator_stats(engine)["running"] == 3, "the three fillers never ran"
                 seen = parts.kv_readings
                 for _ in range(600):
                     if parts.kv_readings >= seen + 2:
                         break
                     await asyncio.sleep(0.05)
+                assert parts.kv_readings >= seen + 2, "the gateway never read the KV pool"
+                assert parts.admission.in_use == 3 and not any(f.done() for f in fillers)
                 assert parts.admission.limit == 4  # a slot is free: only KV can hold it
                 share = parts.admission.kv_share()
                 assert share is not None and share < 700, share
