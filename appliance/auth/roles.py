@@ -191,9 +191,18 @@ ROUTES: Final[dict[Route, Access]] = {
     ("GET", "/api/v1/cell/peer/status"): V,
     ("POST", "/api/v1/cell/peer/engine/{action}"): O,
     ("DELETE", "/api/v1/cell/peer/credential"): O,
+    ("PUT", "/api/v1/cell/peer/engine-key"): A,  # a head hands its engine key to a member
+    ("POST", "/api/v1/cell/peer/role"): A,  # a head changes this member's role (a restart)
     ("POST", "/api/v1/cell/members"): A,
     ("GET", "/api/v1/cell/members"): V,
     ("DELETE", "/api/v1/cell/members/{member_id}"): A,
+    # -- operating the cell from its head (api/cell_ops.py, api/cell_plan.py) ----------------
+    ("GET", "/api/v1/cell"): V,
+    ("POST", "/api/v1/cell/members/{member_id}/engine/{action}"): O,
+    ("POST", "/api/v1/cell/members/{member_id}/role"): A,
+    ("POST", "/api/v1/cell/rolling-restart"): O,
+    ("POST", "/api/v1/cell/rolling-restart/cancel"): O,
+    ("GET", "/api/v1/cell/plan"): V,
 }
 
 _ENGINE = "/api/v1/engine"
@@ -224,6 +233,11 @@ CLI_COMMANDS: Final[dict[str, tuple[Route, ...]]] = {
     "cell members": (("GET", f"{_CELL}/members"),),
     "cell remove": (("DELETE", f"{_CELL}/members/{{member_id}}"),),
     "cell leave": (("DELETE", f"{_CELL}/peer"),),
+    "cell status": (("GET", _CELL),),
+    "cell engine": (("POST", f"{_CELL}/members/{{member_id}}/engine/{{action}}"),),
+    "cell role": (("POST", f"{_CELL}/members/{{member_id}}/role"),),
+    "cell rolling-restart": (("POST", f"{_CELL}/rolling-restart"), ("GET", _CELL)),
+    "cell plan": (("GET", f"{_CELL}/plan"),),
 }
 
 # Commands that never go through the daemon: they act on the state directory and database

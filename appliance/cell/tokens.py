@@ -38,6 +38,8 @@ PEER_ROUTES: Final = frozenset({
     ("GET", "/api/v1/cell/peer/status"),
     ("POST", "/api/v1/cell/peer/engine/{action}"),
     ("DELETE", "/api/v1/cell/peer/credential"),
+    ("PUT", "/api/v1/cell/peer/engine-key"),
+    ("POST", "/api/v1/cell/peer/role"),
 })
 _JOIN_RE = re.compile(r"acj_[A-Za-z0-9_-]{43}")
 _PEER_RE = re.compile(r"acp_([0-9a-f]{8})_[A-Za-z0-9_-]{43}")
