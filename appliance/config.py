@@ -494,8 +494,9 @@ class CellConfig:
                                     "(prefix KV also kept in host DRAM)")
     hicache_ratio: float = _key(0.0, _ratio_or_unset, "--hicache-ratio (host pool : GPU pool); "
                                 "0: SGLang sizes it to fit host memory")
-    listen_address: str = _key("", _listen_address, "prefill/decode only: the engine's --host, "
-                                "this box's IP on the cell network; empty: 127.0.0.1")
+    listen_address: str = _key("", _listen_address, "the engine's --host: this box's IP on the "
+                                "cell network (set it before the box joins a cell); empty: "
+                                "127.0.0.1")
     router_host: str = _key("127.0.0.1", _router_host, "on the head: the address SGLang's "
                             "router listens on (the gateway reaches it there)")
     router_port: int = _key(30100, _port, "on the head: the port SGLang's router listens on")
@@ -503,13 +504,12 @@ class CellConfig:
 
 def engine_host(config: Config) -> str:
     """The address the engine binds (its --host) and the box's own processes reach it at:
-    cell.listen_address on a prefill or decode member (SGLang binds its HTTP port and its
+    cell.listen_address when set (a box of a cell: SGLang binds its HTTP port and a prefill's
     bootstrap server there, so the other boxes and the head's router can reach them), else
-    127.0.0.1. An unspecified address (0.0.0.0, ::) binds every interface, loopback too."""
-    cell = config.cell
-    if cell.role == "unified" or not cell.listen_address:
-        return "127.0.0.1"
-    return cell.listen_address
+    127.0.0.1. It does not depend on the role: a member's role can change at run time (the head
+    asks, appliance.cell.role_choice) without moving the address its daemon reaches the engine
+    at. An unspecified address (0.0.0.0, ::) binds every interface, loopback too."""
+    return config.cell.listen_address or "127.0.0.1"
 
 
 def engine_url(config: Config) -> str:

@@ -20,6 +20,7 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from appliance import __version__
 from appliance.auth.sessions import SessionPolicy
 from appliance.auth.throttle import LoginThrottle
+from appliance.cell.role_choice import stored_role
 from appliance.clock import Clock, SystemClock
 from appliance.config import Config, engine_url
 from appliance.db.database import Database
@@ -123,6 +124,7 @@ def build_runtime(
         weights=weights,
         poll_interval=engine_poll_seconds, backoff_base=engine_backoff_seconds,
     )
+    supervisor.role = stored_role(config.paths.state_dir)  # a head's choice, if it made one
     weights.on_ready = lambda: start_when_waiting(supervisor)
     tuning = TuningService(config, db, clock, gpus, supervisor, weights)
     publisher = StatusPublisher(db, clock)

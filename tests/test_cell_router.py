@@ -67,8 +67,11 @@ def test_a_member_engine_listens_on_the_cell_network_and_the_box_reaches_it_ther
 
 def test_unified_stays_on_loopback_and_hashes_as_before() -> None:
     before = launch(Config())
-    assert launch(config_with(listen_address="10.0.0.6")) == before  # ignored when unified
     assert before[0][before[0].index("--host") + 1] == "127.0.0.1"
+    # A box given a cell address binds it whatever its role, so a role change at run time
+    # never moves the address its own daemon reaches the engine at.
+    argv, _ = launch(config_with(listen_address="10.0.0.6"))
+    assert argv[argv.index("--host") + 1] == "10.0.0.6"
     assert engine_url(Config()) == "http://127.0.0.1:30000"
     assert launch(config_with(role="decode")) != before
     argv, _ = launch(config_with(role="decode"))  # no address given: loopback, as today
@@ -305,3 +308,23 @@ def test_the_real_router_runs_from_the_spec(tmp_path: Path, model: Path) -> None
         proc.wait(10)
         prefill.kill()
         decode.kill()
+
+
+def test_a_role_chosen_by_the_head_outlives_the_configuration_and_returns_to_it(
+        tmp_path: Path) -> None:
+    from appliance.cell.role_choice import effective_role, role_file, store_role
+
+    config = load_config(dev=True, dev_root=tmp_path, env={})
+    assert effective_role(config) == "unified"
+    store_role(config, "decode")
+    assert effective_role(config) == "decode"
+    argv = build_launch_spec(config.engine.command,
+                             inputs_from_config(config, role="decode")).serve_args()
+    assert argv[argv.index("--disaggregation-mode") + 1] == "decode"
+    role_file(config.paths.state_dir).write_text("root\n")  # hand-edited: ignored, not applied
+    assert effective_role(config) == "unified"
+    store_role(config, "prefill")
+    store_role(config, "unified")  # the configured role again: no file left to disagree
+    assert not role_file(config.paths.state_dir).exists()
+    with pytest.raises(ValueError, match="not a cell role"):
+        store_role(config, "both")

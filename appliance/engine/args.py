@@ -266,7 +266,12 @@ def inputs_from_config(
     *,
     tuning_args: tuple[tuple[str, str | None], ...] = (),
     profile_args: tuple[tuple[str, str | None], ...] = (),
+    role: str | None = None,
 ) -> LaunchInputs:
+    """`role`: the box's cell role when a head changed it at run time
+    (appliance.cell.role_choice); None: the configuration's `cell.role`."""
+    from dataclasses import replace
+
     from appliance.config import engine_host
 
     engine = config.engine
@@ -283,7 +288,7 @@ def inputs_from_config(
         speculative=engine.speculative,
         profile_args=profile_args,
         tuning_args=tuning_args,
-        role_args=role_args(config.cell),
+        role_args=role_args(config.cell if role is None else replace(config.cell, role=role)),
         operator_args=engine.extra_args,
         engine_auth=engine_auth_path(config.paths.state_dir),
     )

@@ -208,6 +208,9 @@ class Supervisor:
         self._run_writes = asyncio.Lock()
         # The tuning layer of the launch spec (the applied memory split; tuning/service.py).
         self.tuning_args: tuple[tuple[str, str | None], ...] = ()
+        # The box's cell role (appliance.cell.role_choice: the head may change it; the
+        # composition root reads the stored choice), None: the configuration's cell.role.
+        self.role: str | None = None
         # Why the serving engine is failing, by source ("ready": this watcher's /ready probe
         # and the first generation; "health": the health monitor). DEGRADED while any is set.
         self._failures: dict[str, tuple[str, str]] = {}
@@ -378,7 +381,8 @@ class Supervisor:
     def current_spec(self) -> LaunchSpec:
         """The spec a start would launch now (pure: config → argv with provenance)."""
         return build_launch_spec(self.config.engine.command,
-                                 inputs_from_config(self.config, tuning_args=self.tuning_args))
+                                 inputs_from_config(self.config, tuning_args=self.tuning_args,
+                                                    role=self.role))
 
     async def _start(self, actor: str, attempt: int = 1, spec: LaunchSpec | None = None) -> None:
         if self._retry is not None and not self._retry.done() and attempt == 1:
