@@ -5,10 +5,10 @@
 #
 # The bundle is appliance-<version>/ holding the package (appliance/, migrations/, web/,
 # pyproject.toml), the units (systemd/), the installer, docs, a wheelhouse/ with every wheel
-# both virtual environments need (the daemon's dependencies, pip, and unless --no-engine the
-# pinned sglang with torch and the rest: many GB) and SHA256SUMS over every file, which
-# install.sh verifies before it changes anything. Then appliance-<version>-linux-x86_64.tar
-# and its .sha256 beside it, unless --no-tar.
+# the virtual environments need (the daemon's dependencies, pip, the pinned sglang-router a
+# cell's head runs, and unless --no-engine the pinned sglang with torch and the rest: many GB)
+# and SHA256SUMS over every file, which install.sh verifies before it changes anything. Then
+# appliance-<version>-linux-x86_64.tar and its .sha256 beside it, unless --no-tar.
 #
 # pip fetches wheels for the Python that runs it: build on a machine like the target
 # (Ubuntu 24.04 x86_64, Python 3.12), e.g. in an ubuntu:24.04 container.
@@ -69,6 +69,9 @@ print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]
   "$py" -m pip wheel --disable-pip-version-check --no-input --progress-bar off \
     --wheel-dir "$stage/wheelhouse" -r "$requirements"
   rm -f "$requirements"
+  printf 'build-bundle: wheels for the router (installer/router-requirements.txt)\n'
+  "$py" -m pip wheel --disable-pip-version-check --no-input --progress-bar off \
+    --wheel-dir "$stage/wheelhouse" -r "$src/installer/router-requirements.txt"
   if ((engine)); then
     printf 'build-bundle: wheels for the engine (installer/engine-requirements.txt; many GB)\n'
     "$py" -m pip wheel --disable-pip-version-check --no-input --progress-bar off \

@@ -10,7 +10,10 @@
 #
 # Run it from an unpacked bundle or a source checkout: the directory above this one holds the
 # package (appliance/, migrations/, web/, pyproject.toml) and the units (systemd/). It never
-# installs or changes NVIDIA drivers, and never starts, stops or restarts the engine unit.
+# installs or changes NVIDIA drivers, and never starts, stops or restarts the engine unit. It
+# never starts the router unit either (the daemon starts it on a cell's head); it restarts a
+# running router only when the router's unit or environment changed (a router restart is
+# cheap).
 # Reference: installer/README.md, docs/install.md.
 #
 # All code is inside functions and the last line calls main: a truncated copy (an
@@ -41,6 +44,7 @@ defaults() {
   GATEWAY=appliance-gateway.service
   GATEWAY_SOCKET=appliance-gateway.socket
   ENGINE=appliance-engine.service
+  ROUTER=appliance-router.service   # a cell head's sglang-router; the daemon starts it
   SYSUSERS=/usr/lib/sysusers.d/appliance.conf
   TMPFILES=/usr/lib/tmpfiles.d/appliance.conf
   POLKIT=/usr/share/polkit-1/rules.d/50-appliance-engine.rules
@@ -67,7 +71,7 @@ defaults() {
   FAILS=0
   STEP="starting"
   UNITS_CHANGED=0 DAEMON_UNIT_CHANGED=0 GATEWAY_UNIT_CHANGED=0 ENGINE_UNIT_CHANGED=0
-  SOCKET_UNIT_CHANGED=0 LISTEN_CHANGED=0 GATEWAY_STOPPED=0
+  SOCKET_UNIT_CHANGED=0 LISTEN_CHANGED=0 GATEWAY_STOPPED=0 ROUTER_UNIT_CHANGED=0 ROUTER_MOVED=0
   FRESH=0 PENDING="" SWITCH=0 DAEMON_STOPPED=0
 }
 
@@ -204,8 +208,9 @@ locate_source() {
   local missing=() path
   for path in pyproject.toml appliance/__init__.py appliance/engine/flags.py migrations \
     web/templates web/static installer/configfile.py installer/engine-requirements.txt \
+    installer/router-requirements.txt appliance/cell/router.py \
     systemd/appliance.service systemd/appliance-gateway.service \
-    systemd/appliance-gateway.socket \
+    systemd/appliance-gateway.socket systemd/appliance-router.service \
     systemd/appliance-engine.service systemd/appliance.sysusers.conf \
     systemd/appliance.tmpfiles.conf systemd/50-appliance-engine.rules; do
     [[ -e $SRC/$path ]] || missing+=("$path")
@@ -238,6 +243,14 @@ read_versions() {
   if [[ -z $PIN || $PIN != "$modelled" ]]; then
     die "installer/engine-requirements.txt pins sglang '${PIN}' but the daemon models '${modelled}'" \
       "pin sglang==${modelled} in installer/engine-requirements.txt"
+  fi
+  ROUTER_PIN=$(sed -n 's/^sglang-router==\([0-9A-Za-z.+_-]*\)[[:space:]]*$/\1/p' \
+    "$SRC/installer/router-requirements.txt" | head -n 1)
+  modelled=$(sed -n 's/^SGLANG_ROUTER_VERSION = "\([^"]*\)".*$/\1/p' \
+    "$SRC/appliance/cell/router.py")
+  if [[ -z $ROUTER_PIN || $ROUTER_PIN != "$modelled" ]]; then
+    die "installer/router-requirements.txt pins sglang-router '${ROUTER_PIN}' but the daemon writes the command line of '${modelled}'" \
+      "pin sglang-router==${modelled} in installer/router-requirements.txt"
   fi
 }
 
@@ -632,6 +645,9 @@ svc() {
     if [[ $unit == "$ENGINE" && ! ($verb == stop && $ACTION == uninstall && $STOP_ENGINE == 1) ]]; then
       die "internal error: refusing 'systemctl $verb $ENGINE' (only the daemon starts and stops the engine)"
     fi
+    if [[ $unit == "$ROUTER" && $verb != try-restart && $verb != stop ]]; then
+      die "internal error: refusing 'systemctl $verb $ROUTER' (the daemon starts the router on a cell's head)"
+    fi
   done
   if ((DRY_RUN)); then say "would run: systemctl $verb $*"; return 0; fi
   if systemctl_root "$verb" "$@"; then return 0; fi
@@ -711,21 +727,63 @@ finish_build() {  # the marker, written last: only a finished build has it
   mv -f "$1/.complete.tmp" "$1/.complete"
 }
 
-build_engine() {
-  local dir=$1
+# build_env DIR REQUIREMENTS DISTRIBUTION PIN: a new virtual environment in DIR with the
+# pinned requirements, checked to hold DISTRIBUTION at exactly PIN. The caller checks the rest
+# and finishes the build.
+build_env() {
+  local dir=$1 requirements=$2 dist=$3 pin=$4 got
   rm -rf -- "$dir"
   mkdir -p "$dir"
   make_venv "$dir"
-  cp "$SRC/installer/engine-requirements.txt" "$dir/requirements.txt"
+  cp "$requirements" "$dir/requirements.txt"
   pip_install "$dir" -r "$dir/requirements.txt"
-  local got
-  got=$(cd / && "$dir/bin/python" -c 'import importlib.metadata as m; print(m.version("sglang"))')
-  if [[ $got != "$PIN" ]]; then
-    die "the engine environment has sglang $got, not $PIN" "check installer/engine-requirements.txt"
+  got=$(cd / && "$dir/bin/python" -c 'import importlib.metadata as m, sys
+print(m.version(sys.argv[1]))' "$dist")
+  if [[ $got != "$pin" ]]; then
+    die "the environment $dir has $dist $got, not $pin" "check installer/$(basename "$requirements")"
   fi
+}
+
+freeze_and_finish() {  # freeze_and_finish DIR HASH: what pip installed, then the marker
+  (cd / && "$1/bin/python" -m pip freeze --all >"$1/requirements.freeze" 2>/dev/null || true)
+  finish_build "$1" "$2"
+}
+
+build_engine() {
+  local dir=$1
+  build_env "$dir" "$SRC/installer/engine-requirements.txt" sglang "$PIN"
   [[ -x $dir/bin/sglang ]] || die "the engine environment has no bin/sglang" "reinstall sglang"
-  (cd / && "$dir/bin/python" -m pip freeze --all >"$dir/requirements.freeze" 2>/dev/null || true)
-  finish_build "$dir" "$ENGINE_HASH"
+  freeze_and_finish "$dir" "$ENV_HASH"
+}
+
+# The router's environment: the daemon's spec runs its python with -m sglang_router.launch_router
+# (appliance/cell/router.py), so that module must import, its compiled part included.
+build_router() {
+  local dir=$1
+  build_env "$dir" "$SRC/installer/router-requirements.txt" sglang-router "$ROUTER_PIN"
+  if ! (cd / && "$dir/bin/python" -c 'import sglang_router.launch_router') >/dev/null; then
+    die "the router environment $dir cannot import sglang_router.launch_router" \
+      "read the error above: a wheel for another platform or Python (build the bundle on a machine like this one)"
+  fi
+  freeze_and_finish "$dir" "$ENV_HASH"
+}
+
+# ensure_env WHAT SUBDIR NAME REQUIREMENTS DETAIL BUILDER: sets ENV_KEY, the name under
+# $OPT/SUBDIR of a finished environment for REQUIREMENTS (and this Python and layout), and
+# builds it with BUILDER DIR unless one is there. ENV_HASH is its content hash.
+ensure_env() {
+  local what=$1 sub=$2 name=$3 requirements=$4 detail=$5 builder=$6 base
+  ENV_HASH=$({ printf 'layout %s\npython %s\n' "$LAYOUT" "$PY_MINOR"
+    cat "$requirements"; } | sha256sum | cut -d ' ' -f 1)
+  base=$(r "$OPT/$sub")
+  ENV_KEY=$(pick_build "$base" "$name" "$ENV_HASH")
+  if [[ $(complete_hash "$base/$ENV_KEY") == "$ENV_HASH" ]]; then
+    say "$what $OPT/$sub/$ENV_KEY is built; reusing it"
+    return 0
+  fi
+  if [[ -e $base/$ENV_KEY ]]; then say "removing the unfinished build $OPT/$sub/$ENV_KEY"; fi
+  act "build the $what $OPT/$sub/$ENV_KEY ($detail)" "$builder" "$base/$ENV_KEY"
+  changed "$what $OPT/$sub/$ENV_KEY (new)"
 }
 
 ensure_engine() {
@@ -735,19 +793,17 @@ ensure_engine() {
     return 0
   fi
   step "engine environment (sglang==$PIN)"
-  ENGINE_HASH=$({ printf 'layout %s\npython %s\n' "$LAYOUT" "$PY_MINOR"
-    cat "$SRC/installer/engine-requirements.txt"; } | sha256sum | cut -d ' ' -f 1)
-  local engines
-  engines=$(r "$OPT/engines")
-  ENGINE_KEY=$(pick_build "$engines" "sglang-$PIN" "$ENGINE_HASH")
-  if [[ $(complete_hash "$engines/$ENGINE_KEY") == "$ENGINE_HASH" ]]; then
-    say "engine environment $OPT/engines/$ENGINE_KEY is built; reusing it"
-    return 0
-  fi
-  if [[ -e $engines/$ENGINE_KEY ]]; then say "removing the unfinished build $OPT/engines/$ENGINE_KEY"; fi
-  act "build the engine environment $OPT/engines/$ENGINE_KEY (sglang==$PIN; several GB)" \
-    build_engine "$engines/$ENGINE_KEY"
-  changed "engine environment $OPT/engines/$ENGINE_KEY (new)"
+  ensure_env "engine environment" engines "sglang-$PIN" \
+    "$SRC/installer/engine-requirements.txt" "sglang==$PIN; several GB" build_engine
+  ENGINE_KEY=$ENV_KEY
+}
+
+# Every box gets the router (a small venv), so any box can become a cell's head.
+ensure_router() {
+  step "router environment (sglang-router==$ROUTER_PIN)"
+  ensure_env "router environment" routers "sglang-router-$ROUTER_PIN" \
+    "$SRC/installer/router-requirements.txt" "sglang-router==$ROUTER_PIN" build_router
+  ROUTER_KEY=$ENV_KEY
 }
 
 write_launcher() {  # the console script: the release's own code through its own venv
@@ -777,6 +833,7 @@ build_release() {
   chmod -R u+rwX,go+rX,go-w "$dir"
   printf '%s\n' "$VERSION" >"$dir/VERSION"
   printf '%s\n' "${ENGINE_KEY:-}" >"$dir/ENGINE"
+  printf '%s\n' "${ROUTER_KEY:-}" >"$dir/ROUTER"
   (cd / && "$PY" -c 'import sys, tomllib
 print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]))' \
     "$dir/pyproject.toml") >"$dir/requirements.txt"
@@ -872,7 +929,7 @@ system_files() {
       systemd-tmpfiles "${in_root[@]}" --create "$(basename "$TMPFILES")"
   fi
   local unit
-  for unit in "$DAEMON" "$GATEWAY_SOCKET" "$GATEWAY" "$ENGINE"; do
+  for unit in "$DAEMON" "$GATEWAY_SOCKET" "$GATEWAY" "$ENGINE" "$ROUTER"; do
     install_file "$src/$unit" "$UNIT_DIR/$unit" 0644 root root
     if ((WROTE)); then unit_written "$unit"; fi
   done
@@ -897,6 +954,7 @@ unit_written() {  # unit_written UNIT|UNIT.d: a unit file or one of its vendor d
     "$DAEMON") DAEMON_UNIT_CHANGED=1 ;;
     "$GATEWAY") GATEWAY_UNIT_CHANGED=1 ;;
     "$ENGINE") ENGINE_UNIT_CHANGED=1 ;;
+    "$ROUTER") ROUTER_UNIT_CHANGED=1 ;;
   esac
 }
 
@@ -1008,6 +1066,17 @@ migrate() {
   return "$status"
 }
 
+# point_env LINK SUBDIR KEY: point $OPT/LINK at SUBDIR/KEY (an environment). Sets POINTED=1
+# when it moved, and POINTED_FROM to what it named before (empty on a first install).
+point_env() {
+  POINTED=0
+  POINTED_FROM=$(link_target "$OPT/$1")
+  if [[ -z $3 || $POINTED_FROM == "$2/$3" ]]; then return 0; fi
+  flip_link "$OPT/$1" "$2/$3"
+  changed "$OPT/$1 -> $2/$3${POINTED_FROM:+ (was $POINTED_FROM)}"
+  POINTED=1
+}
+
 switch_release() {
   local new=releases/$RELEASE_ID old
   old=$(link_target "$OPT/current")
@@ -1039,15 +1108,12 @@ switch_release() {
     die "the database migration failed; ${old:+$OPT/current still points at $old and }nothing was switched" \
       "read the migration's message above (an SQLite database was restored from the copy taken first), fix the cause and run the installer again"
   fi
-  local engine_was
-  engine_was=$(link_target "$OPT/engine")
-  if [[ -n ${ENGINE_KEY:-} && $engine_was != "engines/$ENGINE_KEY" ]]; then
-    flip_link "$OPT/engine" "engines/$ENGINE_KEY"
-    changed "$OPT/engine -> engines/$ENGINE_KEY${engine_was:+ (was $engine_was)}"
-    if [[ -n $engine_was ]]; then
-      note "a running engine keeps the environment it started with; engines/$ENGINE_KEY is used from its next start"
-    fi
+  point_env engine engines "${ENGINE_KEY:-}"
+  if ((POINTED)) && [[ -n $POINTED_FROM ]]; then
+    note "a running engine keeps the environment it started with; engines/$ENGINE_KEY is used from its next start"
   fi
+  point_env router routers "${ROUTER_KEY:-}"
+  ROUTER_MOVED=$POINTED
   if [[ -n $old && $old != "$new" ]]; then
     flip_link "$OPT/previous" "$old"
     PREVIOUS_ID=${old#releases/}
@@ -1073,8 +1139,12 @@ services() {
   if ((${#enable[@]})); then svc enable "${enable[@]}"; changed "enabled ${enable[*]}"; fi
   if ((NO_START)); then
     note "--no-start: nothing was started or restarted; start with: systemctl start $DAEMON $GATEWAY_SOCKET $GATEWAY"
+    if ((ROUTER_UNIT_CHANGED || ROUTER_MOVED)) && is_active "$ROUTER"; then
+      note "the router's unit or environment changed: it takes effect at the router's next start (now: systemctl restart $ROUTER, which fails only the requests in flight through it)"
+    fi
     return 0
   fi
+  router_up
   local restart_daemon=$((SWITCH || DAEMON_UNIT_CHANGED || FORCE_RESTART))
   local restart_gateway=$((SWITCH || GATEWAY_UNIT_CHANGED || FORCE_RESTART))
   service_up "$DAEMON" "$restart_daemon" "$DAEMON_STOPPED"
@@ -1107,6 +1177,18 @@ socket_up() {
   fi
 }
 
+# router_up: a running router (a cell's head) is restarted when its unit or its environment
+# changed, so it never runs from an environment a later run prunes; a restart is cheap and
+# fails only the requests in flight through it. A stopped router stays stopped: the daemon
+# starts it on a head. try-restart does nothing to a unit that is not running, even if it
+# stopped after the check.
+router_up() {
+  if ((ROUTER_UNIT_CHANGED || ROUTER_MOVED)) && is_active "$ROUTER"; then
+    svc try-restart "$ROUTER"
+    RESTARTED+=("$ROUTER")
+  fi
+}
+
 service_up() {  # service_up UNIT CHANGED STOPPED_BY_US
   local unit=$1
   if (($3)); then svc start "$unit"; STARTED+=("$unit"); return 0; fi
@@ -1121,36 +1203,48 @@ service_up() {  # service_up UNIT CHANGED STOPPED_BY_US
 }
 
 prune() {
-  local current previous dir name keep_engines=()
+  local current previous dir name kept=()
   current=$(link_target "$OPT/current")
   previous=$(link_target "$OPT/previous")
   for dir in "$(r "$OPT/releases")"/*; do
     [[ -d $dir ]] || continue
     name=releases/$(basename "$dir")
     if [[ $name == "$current" || $name == "$previous" ]]; then
-      keep_engines+=("$(cat "$dir/ENGINE" 2>/dev/null || true)")
+      kept+=("$dir")
       continue
     fi
     act "remove the old release $OPT/$name" rm -rf -- "$dir"
     changed "removed the old release $OPT/$name"
   done
-  keep_engines+=("$(basename "$(link_target "$OPT/engine")")")
-  for dir in "$(r "$OPT/engines")"/*; do
+  prune_envs engine engines ENGINE "${kept[@]}"
+  prune_envs router routers ROUTER "${kept[@]}"
+}
+
+# prune_envs LINK SUBDIR RECORD RELEASE...: remove the environments under $OPT/SUBDIR that
+# neither $OPT/LINK nor a kept release (its RECORD file) names and no running process uses:
+# its command line names it (the engine), or it has a file of it mapped (the router, which
+# retitles itself `sglang::router`).
+prune_envs() {
+  local link=$1 sub=$2 record=$3 dir name keep=()
+  shift 3
+  for dir in "$@"; do keep+=("$(cat "$dir/$record" 2>/dev/null || true)"); done
+  keep+=("$(basename "$(link_target "$OPT/$link")")")
+  for dir in "$(r "$OPT/$sub")"/*; do
     [[ -d $dir ]] || continue
     name=$(basename "$dir")
-    if printf '%s\n' "${keep_engines[@]}" | grep -qxF -- "$name"; then continue; fi
-    if grep -lsaF -- "$dir/" /proc/[0-9]*/cmdline >/dev/null 2>&1; then
-      note "kept $OPT/engines/$name: a running process uses it"
+    if printf '%s\n' "${keep[@]}" | grep -qxF -- "$name"; then continue; fi
+    if grep -lsaF -- "$dir/" /proc/[0-9]*/cmdline /proc/[0-9]*/maps >/dev/null 2>&1; then
+      note "kept $OPT/$sub/$name: a running process uses it"
       continue
     fi
-    act "remove the unused engine environment $OPT/engines/$name" rm -rf -- "$dir"
-    changed "removed the unused engine environment $OPT/engines/$name"
+    act "remove the unused $link environment $OPT/$sub/$name" rm -rf -- "$dir"
+    changed "removed the unused $link environment $OPT/$sub/$name"
   done
 }
 
 dropin_notes() {  # dropin_notes WHAT: the operator's drop-ins, never touched, named
   local unit file
-  for unit in "$DAEMON" "$GATEWAY_SOCKET" "$GATEWAY" "$ENGINE"; do
+  for unit in "$DAEMON" "$GATEWAY_SOCKET" "$GATEWAY" "$ENGINE" "$ROUTER"; do
     for file in "$(r "$DROPIN_DIR/$unit.d")"/*.conf; do
       [[ -f $file ]] || continue
       note "your drop-in ${file#"$ROOT"} $1"
@@ -1224,6 +1318,7 @@ do_install() {
   fi
   private_modes
   ensure_engine
+  ensure_router
   ensure_release
   switch_release
   services
@@ -1250,10 +1345,15 @@ do_rollback() {
   if [[ -f $(r "$OPT/$current")/MIGRATION ]]; then
     warn "release ${current#releases/} migrated the database ($(head -n 1 "$(r "$OPT/$current")/MIGRATION")); the previous release refuses a newer schema. $(grep 'copied to' "$(r "$OPT/$current")/MIGRATION" | sed 's/^appliance: //') If the daemon does not start: systemctl stop $DAEMON $GATEWAY, copy that backup over the database, start them again"
   fi
-  local engine
+  local engine router
   engine=$(cat "$dir/ENGINE" 2>/dev/null || true)
   if [[ -n $engine && -f $(r "$OPT/engines/$engine")/.complete ]]; then
     flip_link "$OPT/engine" "engines/$engine"
+  fi
+  router=$(cat "$dir/ROUTER" 2>/dev/null || true)
+  if [[ -n $router && -f $(r "$OPT/routers/$router")/.complete ]]; then
+    point_env router routers "$router"
+    ROUTER_MOVED=$POINTED
   fi
   flip_link "$OPT/previous" "$current"
   flip_link "$OPT/current" "$previous"
@@ -1265,6 +1365,7 @@ do_rollback() {
   for unit in "$DAEMON" "$GATEWAY"; do
     if is_active "$unit"; then svc restart "$unit"; RESTARTED+=("$unit"); fi
   done
+  router_up
   read_config_values 2>/dev/null || true
   summary
 }
@@ -1335,7 +1436,9 @@ do_uninstall() {
     if is_active "$unit"; then svc stop "$unit"; changed "stopped $unit"; fi
     if is_enabled "$unit"; then svc disable "$unit"; changed "disabled $unit"; fi
   done
-  for unit in "$DAEMON" "$GATEWAY_SOCKET" "$GATEWAY" "$ENGINE"; do
+  # after the daemon, which would start it again; it runs from $OPT/router, removed below
+  if is_active "$ROUTER"; then svc stop "$ROUTER"; changed "stopped $ROUTER"; fi
+  for unit in "$DAEMON" "$GATEWAY_SOCKET" "$GATEWAY" "$ENGINE" "$ROUTER"; do
     remove_path "$UNIT_DIR/$unit"
     remove_path "$UNIT_DIR/$unit.d"
   done

@@ -6,11 +6,12 @@ Every run installs into a staging root (`--root`) with stand-ins first on PATH: 
 command without switching user: this test's Python lives where the staging root's
 `appliance` user could not read it) and a Python whose `-m venv` makes a real virtual
 environment with a fake pip in it. The fake pip logs its argv; "installing" the daemon's
-dependencies points the environment at this test run's site-packages, "installing" sglang
-writes a stub package. Everything else is real: systemd-sysusers and systemd-tmpfiles with
---root, bash, coreutils, the release's own `appliance --version`, resource lookup and
-`appliance migrate` against a real SQLite database. One test builds a real bundle with pip
-and installs it with real pip under `unshare -n`.
+dependencies points the environment at this test run's site-packages, "installing" sglang or
+sglang-router writes a stub package of the pinned version. Everything else is real:
+systemd-sysusers and systemd-tmpfiles with --root, bash, coreutils, the release's own
+`appliance --version`, resource lookup and `appliance migrate` against a real SQLite
+database. One test builds a real bundle with pip and installs it with real pip under
+`unshare -n`, the real sglang-router included.
 
 The installs are skipped when systemd-sysusers or systemd-tmpfiles is missing, unless
 TEST_APPLIANCE_REQUIRE_SYSTEMD is set (CI sets it), in which case that is a failure.
@@ -35,7 +36,9 @@ from pathlib import Path
 
 import pytest
 
+from appliance.cell.router import DEFAULT_ROUTER_DIR, SGLANG_ROUTER_VERSION
 from appliance.config import Config, load_config
+from appliance.engine.exec_guard import check_program
 from appliance.engine.flags import SGLANG_VERSION
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,6 +48,8 @@ SHIPPED = ("appliance", "migrations", "web", "systemd", "installer", "pyproject.
 DAEMON, GATEWAY, ENGINE = "appliance.service", "appliance-gateway.service", \
     "appliance-engine.service"
 SOCKET = "appliance-gateway.socket"  # the gateway's listener: outlives every gateway restart
+ROUTER = "appliance-router.service"  # a cell head's router: only the daemon starts it
+ROUTER_ENV = f"sglang-router-{SGLANG_ROUTER_VERSION}"
 LISTEN_CONF = f"/usr/local/lib/systemd/system/{SOCKET}.d/listen.conf"
 VERSION = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M)[1]
 BASE_PYTHON = Path(getattr(sys, "_base_executable", sys.executable))
@@ -139,24 +144,31 @@ for i, arg in enumerate(args):
     if arg == "-r":
         requirements += [line.strip() for line in Path(args[i + 1]).read_text().splitlines()
                          if line.strip() and not line.startswith("#")]
-engine = any(r.startswith("sglang") for r in requirements)
+# the distribution the requirements pin, and its import package: the engine's or the router's
+pinned = next(((r.split("==")[0], r.split("==")[1]) for r in requirements
+               if r.startswith(("sglang==", "sglang-router=="))), None)
+kind = {"sglang": "engine", "sglang-router": "router"}.get(pinned[0], "") if pinned else "release"
 kill_at = (CTL / "kill-at").read_text().strip() if (CTL / "kill-at").exists() else ""
-if kill_at == ("pip-engine" if engine else "pip-release"):
+if kill_at == f"pip-{kind}":
     os.killpg(0, signal.SIGKILL)
 if (CTL / "fail-pip").exists():
     print("ERROR: Could not find a version that satisfies the requirement", file=sys.stderr)
     sys.exit(1)
 site = Path(sysconfig.get_path("purelib"))
-if engine:
-    version = next(r for r in requirements if r.startswith("sglang")).split("==")[1]
-    (site / "sglang").mkdir(exist_ok=True)
-    (site / "sglang" / "__init__.py").write_text(f"__version__ = {version!r}\n")
-    info = site / f"sglang-{version}.dist-info"
+if pinned:
+    dist, version = pinned
+    package = site / dist.replace("-", "_")
+    package.mkdir(exist_ok=True)
+    (package / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
     info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
-    script = Path(sys.prefix) / "bin" / "sglang"
-    script.write_text("#!/bin/sh\necho sglang stub\n")
-    script.chmod(0o755)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    if kind == "engine":
+        script = Path(sys.prefix) / "bin" / "sglang"
+        script.write_text("#!/bin/sh\necho sglang stub\n")
+        script.chmod(0o755)
+    else:
+        (package / "launch_router.py").write_text("")  # what the router's spec runs with -m
 else:
     (site / "_dev_deps.pth").write_text(DEV_SITE + "\n")
 '''
@@ -425,6 +437,12 @@ def test_the_engine_pin_is_the_sglang_the_daemon_models() -> None:
     assert pins == [f"sglang=={SGLANG_VERSION}"]
 
 
+def test_the_router_pin_is_the_sglang_router_the_daemon_writes_for() -> None:
+    pins = [line for line in (REPO / "installer" / "router-requirements.txt").read_text()
+            .splitlines() if line.startswith("sglang")]
+    assert pins == [f"sglang-router=={SGLANG_ROUTER_VERSION}"]
+
+
 def test_the_default_config_names_every_key_commented_and_loads_as_the_defaults(
         tmp_path: Path) -> None:
     text = subprocess.run([sys.executable, str(REPO / "installer" / "configfile.py"), "default",
@@ -457,7 +475,7 @@ def test_install_lays_down_files_with_modes_and_owners_and_starts_daemon_and_gat
         st = box.path(path).stat()
         assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (mode, *owner), path
 
-    for unit in (DAEMON, GATEWAY, SOCKET, ENGINE):
+    for unit in (DAEMON, GATEWAY, SOCKET, ENGINE, ROUTER):
         owned(f"/usr/local/lib/systemd/system/{unit}", 0o644, (0, 0))
         assert box.path(f"/usr/local/lib/systemd/system/{unit}").read_bytes() == \
             (src / "systemd" / unit).read_bytes()
@@ -468,6 +486,7 @@ def test_install_lays_down_files_with_modes_and_owners_and_starts_daemon_and_gat
     owned("/etc/appliance/appliance.toml", 0o640, (0, gid))
     assert "#state_dir = " in box.path("/etc/appliance/appliance.toml").read_text()
     owned("/var/lib/appliance", 0o750, (uid, gid))  # systemd-tmpfiles --root, for real
+    owned("/var/lib/appliance/router", 0o750, (uid, gid))  # the router's spec, on a head
 
     # the release: complete, current, the launcher runs the release's own code
     assert link(box, "current") == f"releases/{VERSION}"
@@ -491,6 +510,20 @@ def test_install_lays_down_files_with_modes_and_owners_and_starts_daemon_and_gat
     engine_env = box.path(f"/opt/appliance/engines/sglang-{SGLANG_VERSION}")
     assert (engine_env / ".complete").is_file() and (engine_env / "bin" / "sglang").is_file()
     assert (release / "ENGINE").read_text().strip() == f"sglang-{SGLANG_VERSION}"
+
+    # the router's environment, named by its pin, behind /opt/appliance/router: root's, and
+    # what `appliance cell exec-router` accepts as the router's program
+    assert link(box, "router") == f"routers/{ROUTER_ENV}"
+    router_env = box.path(f"/opt/appliance/routers/{ROUTER_ENV}")
+    assert (router_env / ".complete").is_file()
+    assert (router_env / "requirements.txt").read_bytes() == \
+        (src / "installer" / "router-requirements.txt").read_bytes()
+    assert (release / "ROUTER").read_text().strip() == ROUTER_ENV
+    router_dir = box.path(str(DEFAULT_ROUTER_DIR))
+    owned(str(DEFAULT_ROUTER_DIR / "lib"), 0o755, (0, 0))
+    assert check_program(str(router_dir / "bin" / "python"), router_dir, uid=0) == []
+    assert check_program(str(router_dir / "bin" / "python"), box.path("/opt/appliance/engine"),
+                         uid=0) != []  # the guard would fail a wrong router directory
 
     # the database, migrated by the release's CLI as the appliance user
     assert "alembic_version" in database_tables(box)
@@ -655,12 +688,20 @@ def test_rollback_and_pruning_and_a_new_engine_pin(
          "sglang==9.9.9")
     edit(third / "appliance" / "engine" / "flags.py", f'SGLANG_VERSION = "{SGLANG_VERSION}"',
          'SGLANG_VERSION = "9.9.9"')
+    edit(third / "installer" / "router-requirements.txt",
+         f"sglang-router=={SGLANG_ROUTER_VERSION}", "sglang-router==8.8.8")
+    edit(third / "appliance" / "cell" / "router.py",
+         f'SGLANG_ROUTER_VERSION = "{SGLANG_ROUTER_VERSION}"', 'SGLANG_ROUTER_VERSION = "8.8.8"')
     run = box.install(third)
     # a new pin: a second engine environment beside the first, which the previous release keeps
     assert link(box, "engine") == "engines/sglang-9.9.9"
     assert sorted(p.name for p in box.path("/opt/appliance/engines").iterdir()) == \
         [f"sglang-{SGLANG_VERSION}", "sglang-9.9.9"]
     assert "a running engine keeps the environment it started with" in run.output
+    # and so for the router's: a second environment, the link flipped; no router ran
+    assert link(box, "router") == "routers/sglang-router-8.8.8"
+    assert sorted(p.name for p in box.path("/opt/appliance/routers").iterdir()) == \
+        [ROUTER_ENV, "sglang-router-8.8.8"]
     # only current and previous releases are kept
     assert sorted(p.name for p in box.path("/opt/appliance/releases").iterdir()) == \
         ["99.0.0", "99.1.0"]
@@ -671,7 +712,50 @@ def test_rollback_and_pruning_and_a_new_engine_pin(
     assert link(box, "current") == "releases/99.0.0"
     assert link(box, "previous") == "releases/99.1.0"
     assert link(box, "engine") == f"engines/sglang-{SGLANG_VERSION}"
+    assert link(box, "router") == f"routers/{ROUTER_ENV}"
     assert back.state_changes() == [["restart", DAEMON], ["restart", GATEWAY]]
+
+
+def test_a_running_router_is_restarted_only_when_its_unit_or_environment_changes(
+        installed: Box, src: Path, tmp_path: Path) -> None:
+    """The daemon starts the router on a cell's head; the installer never starts it, and
+    restarts it (cheap) only when what it runs changed, so it never runs from an environment
+    a later run prunes. The engine is never touched."""
+    box = installed
+    (box.ctl / f"active.{ROUTER}").touch()  # this box is a head
+    (box.ctl / f"active.{ENGINE}").touch()
+    same_router = box.install(copy_checkout(tmp_path / "v2", "99.0.0", origin=src))
+    assert [c for c in same_router.state_changes() if ROUTER in c] == []
+
+    unit = copy_checkout(tmp_path / "v3", "99.1.0", origin=src)
+    (unit / "systemd" / ROUTER).write_text((unit / "systemd" / ROUTER).read_text() + "# v3\n")
+    run = box.install(unit)
+    assert [c for c in run.state_changes() if ROUTER in c] == [["try-restart", ROUTER]]
+    assert re.search(r"restarted:.*appliance-router.service", run.output)
+    assert_engine_untouched(run)
+
+    pin = copy_checkout(tmp_path / "v4", "99.2.0", origin=unit)
+    edit(pin / "installer" / "router-requirements.txt",
+         f"sglang-router=={SGLANG_ROUTER_VERSION}", "sglang-router==8.8.8")
+    edit(pin / "appliance" / "cell" / "router.py",
+         f'SGLANG_ROUTER_VERSION = "{SGLANG_ROUTER_VERSION}"', 'SGLANG_ROUTER_VERSION = "8.8.8"')
+    (box.ctl / f"active.{ROUTER}").unlink()  # not a head (any more): left stopped
+    run = box.install(pin)
+    assert link(box, "router") == "routers/sglang-router-8.8.8"
+    assert [c for c in run.state_changes() if ROUTER in c] == []
+    assert not box.active(ROUTER)
+    assert_engine_untouched(run)
+
+
+def test_a_router_pin_the_daemon_does_not_write_for_is_refused(box: Box, src: Path) -> None:
+    edit(src / "installer" / "router-requirements.txt",
+         f"sglang-router=={SGLANG_ROUTER_VERSION}", "sglang-router==8.8.8")
+    run = box.run(src)
+    assert run.returncode != 0
+    assert "installer/router-requirements.txt pins sglang-router '8.8.8' but the daemon " \
+        f"writes the command line of '{SGLANG_ROUTER_VERSION}'" in run.output
+    assert f"fix: pin sglang-router=={SGLANG_ROUTER_VERSION}" in run.output
+    assert list(box.root.iterdir()) == []
 
 
 def test_an_upgrade_from_a_release_before_the_socket_moves_the_port_to_it(
@@ -783,9 +867,13 @@ def test_uninstall_keeps_data_a_reinstall_finds_it_and_purge_removes_it(
     config, dropin = operator_edits(box)
     models = box.path("/var/lib/appliance/models")
     (models / "shard.safetensors").write_bytes(b"x" * 16)
+    spec = box.path("/var/lib/appliance/router/router-spec.json")  # this box is a cell's head
+    spec.write_text("{}")
+    (box.ctl / f"active.{ROUTER}").touch()
     # run from the copy the release keeps, as an operator would once the bundle is gone
     run = box.install(box.path("/opt/appliance/current"), "--uninstall")
     for gone in ("/opt/appliance", f"/usr/local/lib/systemd/system/{DAEMON}",
+                 f"/usr/local/lib/systemd/system/{ROUTER}", str(DEFAULT_ROUTER_DIR),
                  "/usr/share/polkit-1/rules.d/50-appliance-engine.rules",
                  "/usr/lib/sysusers.d/appliance.conf"):
         assert not box.path(gone).exists(), gone
@@ -796,6 +884,9 @@ def test_uninstall_keeps_data_a_reinstall_finds_it_and_purge_removes_it(
     # the socket first: a connection in between would start the gateway again
     assert changes.index(["stop", SOCKET]) < changes.index(["stop", GATEWAY])
     assert ["disable", SOCKET] in changes and not box.active(SOCKET)
+    # the router after the daemon (which would start it again); its spec is state, kept
+    assert changes.index(["stop", ROUTER]) > changes.index(["stop", DAEMON])
+    assert not box.active(ROUTER) and spec.exists()
     assert not box.path(f"/usr/local/lib/systemd/system/{SOCKET}").exists()
     assert not box.path(LISTEN_CONF).exists()
     assert_engine_untouched(run)
@@ -906,6 +997,7 @@ def test_dry_run_prints_the_plan_and_changes_nothing(box: Box, src: Path, tmp_pa
                     "would write /etc/appliance/appliance.toml (new",
                     "would build the engine environment /opt/appliance/engines/sglang-"
                     + SGLANG_VERSION,
+                    "would build the router environment /opt/appliance/routers/" + ROUTER_ENV,
                     f"would build release {VERSION}",
                     "would migrate the database",
                     f"would point /opt/appliance/current at releases/{VERSION}",
@@ -943,7 +1035,7 @@ def test_an_interrupted_install_never_leaves_a_half_built_release_current_and_a_
     assert "run the same command again" in failed.output
     assert not box.path("/opt/appliance/current").is_symlink()
     (box.ctl / "fail-pip").unlink()
-    for point in ("pip-engine", "pip-release", "migrate", "systemctl-start"):
+    for point in ("pip-engine", "pip-router", "pip-release", "migrate", "systemctl-start"):
         (box.ctl / "kill-at").write_text(point)
         killed = box.run(src)
         assert killed.returncode == -signal.SIGKILL, (point, killed.output)
@@ -1014,7 +1106,7 @@ def test_offline_never_reaches_the_network(box: Box, src: Path, tmp_path: Path) 
     (wheelhouse / "placeholder-1.0-py3-none-any.whl").write_bytes(b"")
     run = box.install(src, "--offline", str(wheelhouse), prefix=("unshare", "-n"))
     installs = [p for p in run.pips() if p["args"][:1] == ["install"]]  # type: ignore[index]
-    assert len(installs) == 2  # the engine's and the release's
+    assert len(installs) == 3  # the engine's, the router's and the release's
     for call in installs:
         args = call["args"]
         assert "--no-index" in args and args[args.index("--find-links") + 1] == str(wheelhouse)
@@ -1047,6 +1139,7 @@ def test_a_real_bundle_installs_offline_into_a_working_release(
     bundle = out / f"appliance-{VERSION}"
     assert (bundle / "SHA256SUMS").is_file()
     assert list((bundle / "wheelhouse").glob("litestar-*.whl"))
+    assert list((bundle / "wheelhouse").glob(f"sglang_router-{SGLANG_ROUTER_VERSION}-*.whl"))
 
     run = box.install(bundle, "--offline", "--no-engine", python=str(BASE_PYTHON),
                       prefix=("unshare", "-n"), timeout=600)
@@ -1067,4 +1160,13 @@ def test_a_real_bundle_installs_offline_into_a_working_release(
     assert Path(probe[1]).resolve().is_relative_to(release / "venv")
     assert probe[2:] == [str(release / "migrations"), str(release / "web" / "templates")]
     assert "alembic_version" in database_tables(box)
+    # the router's environment: the real sglang-router, from the wheelhouse, whose module the
+    # router's spec runs
+    router_python = box.path(str(DEFAULT_ROUTER_DIR / "bin" / "python"))
+    shown = subprocess.run(
+        [str(router_python), "-c", "import importlib.metadata as m, sglang_router.launch_router; "
+         "print(m.version('sglang-router'))"],
+        cwd="/", env=env, capture_output=True, text=True, check=True).stdout
+    assert shown.strip() == SGLANG_ROUTER_VERSION
+    assert check_program(str(router_python), box.path(str(DEFAULT_ROUTER_DIR)), uid=0) == []
     assert time.monotonic() - started < 300

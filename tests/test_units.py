@@ -38,6 +38,7 @@ from pathlib import Path
 
 import pytest
 
+from appliance.cell.router import router_spec_path
 from appliance.cli import build_parser
 from appliance.config import DEFAULT_CONFIG_PATH, Config, load_config
 from appliance.engine import systemd_runner
@@ -318,6 +319,8 @@ def test_tmpfiles_creates_the_directories_with_the_modes_and_owners_the_units_ne
         config.paths.state_dir: (0o750, DAEMON_USER, "dir"),
         config.paths.models_dir: (0o750, DAEMON_USER, "dir"),
         runner.spec_path.parent: (0o750, DAEMON_USER, "dir"),
+        # the router's spec: the daemon writes it, the router unit binds it (not optional)
+        router_spec_path(config.paths.state_dir).parent: (0o750, DAEMON_USER, "dir"),
         config.paths.log_dir: (0o750, DAEMON_USER, "dir"),
         runner.log_path.parent: (0o750, "root", "dir"),
         runner.log_path: (0o640, "root", "file"),
