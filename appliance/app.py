@@ -263,10 +263,12 @@ async def _start(runtime: Runtime) -> None:
     await runtime.qualify.start_service()  # a run the last daemon left: interrupted, gateway open
     # After the supervisor: the first engine poll must see the adopted engine's state.
     schedule_health(runtime)
+    await runtime.cell.start()  # a head's watch over its members (appliance.cell.watch)
 
 
 async def _stop(runtime: Runtime) -> None:
     # The engine keeps running: only the daemon's watching stops (it is adopted next start).
+    await runtime.cell.stop()  # the router keeps running too
     await runtime.qualify.stop_service()  # a run ends as interrupted and opens the gateway
     await runtime.weights.stop_service()
     await runtime.supervisor.stop_service()

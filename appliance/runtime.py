@@ -20,7 +20,11 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from appliance import __version__
 from appliance.auth.sessions import SessionPolicy
 from appliance.auth.throttle import LoginThrottle
+from appliance.cell.engine_key import EngineKeys, KeyedTransport
+from appliance.cell.local import LocalEngine
 from appliance.cell.role_choice import stored_role
+from appliance.cell.router_runner import ProcessRouterRunner, RouterRunner, SystemdRouterRunner
+from appliance.cell.watch import CellWatch
 from appliance.clock import Clock, SystemClock
 from appliance.config import Config, engine_url
 from appliance.db.database import Database
@@ -58,6 +62,10 @@ class Runtime:
     publisher: StatusPublisher
     health: HealthMonitor
     qualify: QualifyService
+    # The keys this box's engine may run with (a cell head hands its key over: cell/engine_key).
+    engine_keys: EngineKeys
+    # The cell watch (appliance.cell.watch): on a head, `cell.view` is its latest CellView.
+    cell: CellWatch = field(init=False)
     version: str = __version__
     started_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
     started_monotonic: float = 0.0
@@ -97,6 +105,13 @@ def engine_runner(config: Config) -> EngineRunner:
     return ProcessRunner(state_dir)
 
 
+def router_runner(config: Config) -> RouterRunner:
+    """How a cell head runs its router, as the engine runs (systemd unit, or a process)."""
+    if config.engine.runner == "systemd":
+        return SystemdRouterRunner()
+    return ProcessRouterRunner(config.paths.state_dir)
+
+
 def build_runtime(
     config: Config,
     *,
@@ -111,16 +126,21 @@ def build_runtime(
     engine_transport: httpx.AsyncBaseTransport | None = None,
     webhook_transport: httpx.AsyncBaseTransport | None = None,
     webhook_base_delay: float = 2.0,
+    router: RouterRunner | None = None,
+    cell_poll_seconds: float = 3.0,
+    peer_transport: httpx.AsyncBaseTransport | None = None,
 ) -> Runtime:
     clock = clock or SystemClock()
     db = db or Database(config.database_url)
     gpus = gpus or NvmlGpus()
     weights = WeightsService(config, db, clock, transport=weights_transport)
     # The engine's key, and its --config file for the next launch (appliance.secrets).
-    engine_key = write_engine_auth(config.paths.state_dir)
+    # Every request to it carries the key it accepts (KeyedTransport: a handed-over key is
+    # used from the engine's next start on, without a daemon restart).
+    engine_keys = EngineKeys(config.paths.state_dir, write_engine_auth(config.paths.state_dir))
     supervisor = Supervisor(
         config=config, db=db, clock=clock, runner=runner or engine_runner(config), gpus=gpus,
-        client=EngineClient(engine_url(config), api_key=engine_key),
+        client=EngineClient(engine_url(config), transport=KeyedTransport(engine_keys)),
         weights=weights,
         poll_interval=engine_poll_seconds, backoff_base=engine_backoff_seconds,
     )
@@ -130,10 +150,10 @@ def build_runtime(
     publisher = StatusPublisher(db, clock)
     supervisor.on_change(publisher.listen)
     health = build_health(config, db=db, clock=clock, gpus=gpus, supervisor=supervisor,
-                          engine_transport=engine_transport, engine_key=engine_key,
+                          engine_transport=engine_transport, engine_keys=engine_keys,
                           webhook_transport=webhook_transport,
                           webhook_base_delay=webhook_base_delay)
-    return Runtime(
+    runtime = Runtime(
         config=config,
         clock=clock,
         db=db,
@@ -152,9 +172,17 @@ def build_runtime(
         publisher=publisher,
         health=health,
         qualify=QualifyService(config, db, clock, supervisor),
+        engine_keys=engine_keys,
         started_at=clock.now(),
         started_monotonic=clock.monotonic(),
     )
+    from appliance.auditing import audit  # it imports this module
+
+    runtime.cell = CellWatch(
+        config=config, db=db, clock=clock, local=LocalEngine(config, supervisor, engine_keys),
+        runner=router or router_runner(config), alerts=health.alerts,
+        audit=partial(audit, runtime), interval=cell_poll_seconds, transport=peer_transport)
+    return runtime
 
 
 def build_health(
@@ -165,15 +193,17 @@ def build_health(
     gpus: GpuPort,
     supervisor: Supervisor,
     engine_transport: httpx.AsyncBaseTransport | None,
-    engine_key: str | None = None,
+    engine_keys: EngineKeys | None = None,
     webhook_transport: httpx.AsyncBaseTransport | None,
     webhook_base_delay: float,
 ) -> HealthMonitor:
     """The health monitor and its adapters: the engine probe (its own HTTP client, apart
     from the supervisor's), the host reader and the alert sender."""
     health = config.health
-    probe = EngineProbe(engine_url(config), transport=engine_transport,
-                        api_key=engine_key)
+    transport = engine_transport
+    if engine_keys is not None:
+        transport = KeyedTransport(engine_keys, engine_transport)
+    probe = EngineProbe(engine_url(config), transport=transport)
     alerts = Alerts(db=db, clock=clock, url=health.webhook_url, retries=health.webhook_retries,
                     box=socket.gethostname(), version=__version__, transport=webhook_transport,
                     base_delay=webhook_base_delay)

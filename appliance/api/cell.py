@@ -7,17 +7,21 @@ On a member:
   caller's address;
 - `DELETE /peer` (admin): leave the cell: every head's credential is revoked;
 - the peer API, the only routes a peer credential opens (`appliance.cell.tokens.PEER_ROUTES`):
-  `GET /peer/status`, `POST /peer/engine/{start|stop|restart}`, `DELETE /peer/credential`
-  (a head giving its own credential up). Each call a head makes is audited here.
+  `GET /peer/status` (its engine as a router worker: role, state, address, bootstrap port,
+  capacity, progress, key fingerprints; health; GPUs), `POST /peer/engine/{start|stop|restart}`,
+  `PUT /peer/engine-key` (a head hands its engine key over), `DELETE /peer/credential`
+  (a head giving its own credential up). Each call a head makes is audited here, but a
+  head's periodic status read only once an hour (appliance.cell.local.QuietReads).
 
 On a head:
-- `POST /members` (admin): address + join token: calls the member's `/join` and keeps the
-  credential (appliance.cell.membership);
+- `POST /members` (admin): address + join token: calls the member's `/join`, keeps the
+  credential (appliance.cell.membership) and hands the member this head's engine key;
 - `GET /members` (viewer): each member with its status, read through the peer API with short
   timeouts; an unreachable or revoked member is shown as such and nothing else happens;
 - `DELETE /members/{id}` (admin): give the credential up on the member if it answers, forget it.
 
-Every call to another box is audited here (`cell.call`, appliance.cell.peer) and there.
+Every call to another box is audited here (`cell.call`, appliance.cell.peer) and there. The
+head's cell watch (appliance.cell.watch) follows the members between these calls.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from functools import partial
 from typing import Any
 
 import msgspec
-from litestar import Request, Router, delete, get, post
+from litestar import Request, Router, delete, get, post, put
 from litestar.params import FromPath, JSONBody
 
 from appliance import __version__
@@ -37,9 +41,12 @@ from appliance.auditing import audit
 from appliance.auth.guards import password_current
 from appliance.auth.middleware import AuthInfo, client_address
 from appliance.cell import membership, tokens
+from appliance.cell.engine_key import check_key, fingerprint, hand_over
+from appliance.cell.local import gpu_summary
 from appliance.cell.membership import Member
 from appliance.cell.peer import MemberRefused, MemberRevoked, MemberUnreachable, PeerClient
-from appliance.engine.states import Command
+from appliance.cell.watch import observe, push_engine_key
+from appliance.engine.states import LIVE, Command
 from appliance.errors import EX_USAGE, ApplianceError
 from appliance.runtime import Runtime, runtime_of
 
@@ -56,6 +63,10 @@ class JoinBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class EngineBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     confirm: bool = False
+
+
+class EngineKeyBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    key: str
 
 
 class MemberBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -135,23 +146,54 @@ async def leave(request: CellRequest) -> dict[str, Any]:
 
 
 @get("/peer/status", guards=SIGNED_IN,
-      summary="This member's engine state and health (for its head)")
+      summary="This member's engine as a router worker, its health and GPUs (for its head)")
 async def peer_status(request: CellRequest) -> dict[str, Any]:
     runtime = runtime_of(request)
     status = runtime.supervisor.status
     health = runtime.health.latest
     failing = [r.id for r in health.results if r.level > 0 and r.id not in health.muted]
-    if _peer(request):
-        await _served(request, "cell.peer.status")
+    facts = await runtime.cell.local.facts()
+    prefix = _peer(request)
+    reads = runtime.cell.reads.due(prefix, runtime.clock.monotonic()) if prefix else None
+    if reads is not None:  # a head polls every few seconds: QuietReads says which to keep
+        await _served(request, "cell.peer.status", reads=reads)
+    gpus = gpu_summary(health.gpus)
     return {
         "hostname": socket.gethostname(), "version": __version__,
-        "role": runtime.config.cell.role,  # what its engine launches as ([cell] role)
-        "engine": {"state": status.state.value, "message": status.message,
+        "role": facts.role,  # what its engine launches as: the head's choice, else [cell] role
+        "engine": {**facts.engine_json(),
                    "since": status.since.isoformat() if status.since else None},
+        "engine_key": facts.key,
+        **({"engine_key_running": facts.key_running} if facts.key_running else {}),
+        "gpus": gpus.to_json() if gpus else None,
         "health": {"overall": health.overall().label,
                    "checked_at": health.at.isoformat() if health.at else None,
                    "failing": failing},
     }
+
+
+@put("/peer/engine-key", guards=SIGNED_IN,
+     summary="A head hands this member its engine key (the router sends one key to all)")
+async def peer_engine_key(request: CellRequest, data: JSONBody[EngineKeyBody]) -> dict[str, Any]:
+    runtime = runtime_of(request)
+    try:
+        key = check_key(data.key.strip())
+    except ApplianceError as exc:
+        await _served(request, "cell.peer.engine_key", "denied", refused=exc.code)
+        raise
+    changed = hand_over(runtime.state_dir, key)
+    new = fingerprint(key)
+    live = runtime.supervisor.status.state in LIVE
+    running = runtime.engine_keys.running
+    # A running engine keeps the key it was launched with: the key before this call,
+    # unless the engine was seen accepting another one.
+    restart = live and (running != new if running else changed)
+    await _served(request, "cell.peer.engine_key", engine_key=new, changed=changed,
+                  restart_needed=restart)
+    message = ("the engine uses this key from its next start: restart it to serve in the cell"
+               if restart else "this box's engine uses this key")
+    return {"engine_key": new, "changed": changed, "restart_needed": restart,
+            "message": message}
 
 
 @post("/peer/engine/{action:str}", status_code=202, guards=SIGNED_IN,
@@ -228,31 +270,34 @@ async def add_member(request: CellRequest, data: JSONBody[MemberBody]) -> dict[s
                 action="cell.member.add", target=address,
                 detail={"id": member.id, "role": role, "credential": member.credential_prefix,
                         "verify_tls": data.verify_tls})
-    return {**_view(member), "member": answer.get("member", {})}
+    # The router sends the head's key to every engine: the member must hold it. A failure is
+    # audited and the watch tries again; the member is added either way.
+    try:
+        handed = await push_engine_key(_client(runtime, request), runtime.state_dir, member)
+        key = {"handed_over": True, "restart_needed": bool(handed.get("restart_needed")),
+               "message": str(handed.get("message", ""))}
+    except ApplianceError as exc:
+        key = {"handed_over": False, "message": f"{exc.message} (the head tries again)"}
+    runtime.cell.poke()
+    return {**_view(member), "member": answer.get("member", {}), "engine_key": key}
 
 
 async def _status(client: PeerClient, runtime: Runtime, member: Member) -> dict[str, Any]:
-    credential = membership.read_credential(runtime.state_dir, member.id)
-    if credential is None:
-        return {**_view(member), "status": "no_credential",
-                "error": "this head has lost the member's credential file; remove the member "
-                         "and add it again"}
-    try:
-        answer = await client.call(member, credential, "GET", "/api/v1/cell/peer/status")
-    except MemberUnreachable as exc:
-        return {**_view(member), "status": "unreachable", "error": exc.message}
-    except MemberRevoked as exc:
-        return {**_view(member), "status": "revoked", "error": exc.message, "hint": exc.hint}
-    except MemberRefused as exc:
-        return {**_view(member), "status": "refused", "error": exc.message}
+    seen = await observe(client, runtime.state_dir, member)
+    answer = seen.answer
+    if answer is None:
+        return {**_view(member), "status": seen.status, "error": seen.error,
+                **({"hint": seen.hint} if seen.status == "revoked" else {})}
     return {**_view(member), "status": "ok", "member_role": answer.get("role"),
             "engine": answer.get("engine"),
             "health": answer.get("health"), "hostname": answer.get("hostname"),
-            "version": answer.get("version")}
+            "version": answer.get("version"), "gpus": answer.get("gpus"),
+            "engine_key": answer.get("engine_key"),
+            "engine_key_running": answer.get("engine_key_running")}
 
 
 @get("/members", guards=SIGNED_IN,
-      summary="This head's members, each with its status")
+      summary="This head's members, each with its status read live")
 async def list_members(request: CellRequest) -> list[dict[str, Any]]:
     runtime = runtime_of(request)
     members = await runtime.db.run(membership.list_members)
@@ -275,6 +320,7 @@ async def remove_member(request: CellRequest, member_id: FromPath[int]) -> dict[
         except (MemberUnreachable, MemberRevoked, MemberRefused) as exc:
             why = exc.message
     await runtime.db.run(lambda s: membership.forget_member(s, runtime.state_dir, member.id))
+    runtime.cell.poke()  # the router's spec and the gateway's row follow at once
     await audit(runtime, actor=_actor(request), address=client_address(request),
                 action="cell.member.remove", target=member.address,
                 detail={"id": member.id, "released_on_member": released,
@@ -287,5 +333,6 @@ async def remove_member(request: CellRequest, member_id: FromPath[int]) -> dict[
 def cell_router() -> Router:
     return Router(path="/api/v1/cell", tags=["cell"],
                   route_handlers=[create_join_token, join, leave, peer_status, peer_engine,
-                                  release, add_member, list_members, remove_member])
+                                  peer_engine_key, release, add_member, list_members,
+                                  remove_member])
 

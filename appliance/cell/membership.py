@@ -33,6 +33,10 @@ MAX_ADDRESS: Final = 200
 
 @dataclass(frozen=True)
 class Member:
+    """A member as registered, with what the head last saw of its engine (`seen_at`: when;
+    None: never answered yet). A member that stops answering keeps its last engine address:
+    the router's spec is built from it."""
+
     id: int
     address: str
     role: str
@@ -40,11 +44,29 @@ class Member:
     credential_prefix: str
     added_at: dt.datetime
     added_by: str
+    engine_url: str | None = None
+    bootstrap_port: int | None = None
+    reported_role: str | None = None
+    engine_state: str | None = None
+    capacity: int | None = None
+    seen_at: dt.datetime | None = None
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What a member reported of its engine through the peer status, to keep."""
+
+    engine_url: str | None
+    bootstrap_port: int | None
+    reported_role: str
+    engine_state: str
+    capacity: int | None
 
 
 def _member(row: CellMemberRow) -> Member:
     return Member(row.id, row.address, row.role, row.verify_tls, row.credential_prefix,
-                  row.added_at, row.added_by)
+                  row.added_at, row.added_by, row.engine_url, row.bootstrap_port,
+                  row.reported_role, row.engine_state, row.capacity, row.seen_at)
 
 
 def normalize_address(text: str) -> str:
@@ -120,6 +142,25 @@ def forget_member(session: Session, state_dir: Path, member_id: int) -> Member:
     session.flush()
     credential_path(state_dir, member_id).unlink(missing_ok=True)
     return member
+
+
+def record_seen(session: Session, member_id: int, seen: Seen, now: dt.datetime) -> bool:
+    """Keep what the member reported; True when something the router or the gateway depends
+    on changed. A capacity the member does not report (its engine is not READY) keeps the
+    last one known, so the cell's full capacity can still be stated. A member removed
+    meanwhile is skipped (False)."""
+    row = session.get(CellMemberRow, member_id)
+    if row is None:
+        return False
+    capacity = seen.capacity if seen.capacity is not None else row.capacity
+    before = (row.engine_url, row.bootstrap_port, row.reported_role, row.engine_state,
+              row.capacity)
+    after = (seen.engine_url[:300] if seen.engine_url else None, seen.bootstrap_port,
+             seen.reported_role[:16], seen.engine_state[:32], capacity)
+    (row.engine_url, row.bootstrap_port, row.reported_role, row.engine_state,
+     row.capacity) = after
+    row.seen_at = now
+    return before != after
 
 
 def check_role(role: str) -> str:

@@ -3,8 +3,11 @@
 Every call has a short timeout (`TIMEOUT`: a member that does not answer is reported
 unreachable, never waited on) and is audited on the head (`cell.call`: the member, method,
 path, HTTP status or the failure, never a token or credential); the member audits each call
-it serves. TLS is verified unless the member was added with `verify_tls=false` (a box with
-a self-signed certificate). Answers are turned into errors that name the cause and the next
+it serves. The one exception is the head's periodic status read (appliance.cell.watch): it
+passes `audit_if`, which audits its outcome (ok, failed, denied) only when it changes.
+
+TLS is verified unless the member was added with `verify_tls=false` (a box with a
+self-signed certificate). Answers are turned into errors that name the cause and the next
 step: unreachable, credential revoked by the member, join token refused, anything else.
 """
 
@@ -20,6 +23,8 @@ from appliance.errors import ApplianceError
 
 TIMEOUT: Final = httpx.Timeout(5.0, connect=3.0)
 Auditor = Callable[..., Awaitable[None]]
+# Given a call's audit outcome (ok, failed, denied), whether to write its audit entry.
+AuditIf = Callable[[str], bool]
 
 
 class MemberUnreachable(ApplianceError):
@@ -93,11 +98,13 @@ class PeerClient:
         return body
 
     async def call(self, member: Member, credential: str, method: str, path: str,
-                   json: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One peer call; the member's JSON answer, or an error naming the cause."""
+                   json: dict[str, Any] | None = None, *,
+                   audit_if: AuditIf | None = None) -> dict[str, Any]:
+        """One peer call; the member's JSON answer, or an error naming the cause. Audited,
+        or only when `audit_if` says so (a periodic read)."""
         response = await self._send(method, member.address, path, member.verify_tls,
                                     json=json, credential=credential,
-                                    prefix=member.credential_prefix)
+                                    prefix=member.credential_prefix, audit_if=audit_if)
         if response.status_code == 401:
             raise MemberRevoked(member.address)
         return self._body(member.address, response)
@@ -116,7 +123,7 @@ class PeerClient:
 
     async def _send(self, method: str, base: str, path: str, verify_tls: bool, *,
                     json: dict[str, Any] | None = None, credential: str = "",
-                    prefix: str = "") -> httpx.Response:
+                    prefix: str = "", audit_if: AuditIf | None = None) -> httpx.Response:
         headers = {"Authorization": f"Bearer {credential}"} if credential else {}
         detail: dict[str, Any] = {"method": method, "path": path}
         if prefix:
@@ -127,17 +134,20 @@ class PeerClient:
                                          follow_redirects=False) as client:
                 response = await client.request(method, path, json=json, headers=headers)
         except httpx.TimeoutException:
-            await self._record(base, "failed", {**detail, "error": "timed out"})
+            await self._record(base, "failed", {**detail, "error": "timed out"}, audit_if)
             raise MemberUnreachable(base, "no answer within the time allowed") from None
         except httpx.HTTPError as exc:
             why = str(exc) or type(exc).__name__
-            await self._record(base, "failed", {**detail, "error": why[:200]})
+            await self._record(base, "failed", {**detail, "error": why[:200]}, audit_if)
             raise MemberUnreachable(base, why[:200]) from None
         outcome = ("ok" if response.status_code < 400 else
                    "denied" if response.status_code in (401, 403) else "failed")
-        await self._record(base, outcome, {**detail, "status": response.status_code})
+        await self._record(base, outcome, {**detail, "status": response.status_code}, audit_if)
         return response
 
-    async def _record(self, member: str, outcome: str, detail: dict[str, Any]) -> None:
+    async def _record(self, member: str, outcome: str, detail: dict[str, Any],
+                      audit_if: AuditIf | None = None) -> None:
+        if audit_if is not None and not audit_if(outcome):
+            return
         await self._audit(actor=self._actor, address=self._address, action="cell.call",
                           outcome=outcome, target=member, detail=detail)

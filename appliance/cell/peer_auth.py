@@ -23,13 +23,15 @@ from appliance.runtime import runtime_of
 class CellPeer:
     """The caller behind a live peer credential: a head, acting with the cell scope only.
 
-    `role` is what the role table's guard reads; the peer routes need at most operator, and
-    the middleware keeps this caller off every other route whatever its role says."""
+    `role` is what the role table's guard reads: admin, because the peer routes a head uses
+    to hand over its engine key and to change the member's role are admin routes for a
+    person; the middleware keeps this caller off every route but `PEER_ROUTES` whatever its
+    role says."""
 
     username: str
     prefix: str
     head: str
-    role: str = "operator"
+    role: str = "admin"
     must_change_password: bool = False
 
 
