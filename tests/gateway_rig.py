@@ -61,6 +61,9 @@ class LiveGateway:
     def publish(self, state: str, message: str = "", eta: float | None = None) -> None:
         publish(self.db, state, message, eta)
 
+    def publish_cell(self, upstream_url: str, **fields: Any) -> None:
+        publish_cell(self.db, upstream_url, **fields)
+
     def wait_admitting(self, admitting: bool = True) -> None:
         def seen() -> bool:
             body = httpx.get(f"{self.url}/health", timeout=5).json()
@@ -88,6 +91,17 @@ def publish(db: Database, state: str, message: str = "", eta: float | None = Non
     """Write the engine state row exactly as the control plane's publisher does."""
     now = dt.datetime.now(dt.UTC)
     db.call(lambda s: write_published(s, state, message or state, eta, now))
+
+
+def publish_cell(db: Database, upstream_url: str, *, active: bool = True,
+                 serving: bool = True, message: str = "", eta: float | None = None,
+                 capacity: int | None = None) -> None:
+    """Write the cell's row exactly as the head's daemon does (appliance.cell.published)."""
+    from appliance.cell.published import CellPublished, write_cell_published
+
+    row = CellPublished(active, upstream_url, serving, message, eta, capacity,
+                        dt.datetime.now(dt.UTC))
+    db.call(lambda s: write_cell_published(s, row))
 
 
 def make_key(config: Config, db: Database, name: str = "alice", **limits: int | None) -> str:

@@ -128,11 +128,14 @@ class GatewayApp:
 
     async def health(self, send: Send) -> None:
         """What a load balancer probes: 200 only while requests can be served (the engine is
-        READY and the gateway admits), else 503 with the reason and Retry-After that a
-        request would get. From memory only: no key, no database, no engine call."""
+        READY, or on a cell's head the cell serves, and the gateway admits), else 503 with
+        the reason and Retry-After that a request would get. From memory only: no key, no
+        database, no engine call. On a cell's head `cell` says that requests go through the
+        cell's router, and the capacity the head published."""
         parts = self.parts
         await parts.fresh(active=False)  # a probe does not keep the poll busy
-        published = parts.gate.published
+        route = parts.gate.route
+        published = route.published
         admission = parts.admission
         refusal = parts.gate.refusal()
         body: dict[str, Any] = {
@@ -140,6 +143,9 @@ class GatewayApp:
             "admitting": refusal is None, "limit": admission.limit,
             "admitted": admission.in_use, "queued": admission.waiting,
             "admission": parts.admission_limit.to_dict()}
+        if route.cell is not None:
+            body["cell"] = {"router": route.base_url, "serving": route.cell.serving,
+                            "capacity": route.cell.capacity, "message": route.cell.message}
         if refusal is None:
             await _respond(send, 200, msgspec.json.encode({"status": "ok", **body}))
             return
@@ -321,13 +327,14 @@ class GatewayApp:
         admission = self.parts.admission
         retry = retry_after(admission.waiting + 1, admission.limit, self.parts.qualified,
                             self.recent_durations, self.recent_seconds)
+        who = "the cell" if self.parts.gate.route.through_cell else "the engine"
         if full:
             return GatewayError(429, "queue_full",
-                                f"the engine is busy ({admission.in_use} running, "
+                                f"{who} is busy ({admission.in_use} running, "
                                 f"{admission.waiting} waiting, the queue is full); retry later",
                                 retry_after=retry)
         return GatewayError(429, "queue_timeout",
-                            f"waited {self.queue_wait:.0f} s for a free slot (the engine is "
+                            f"waited {self.queue_wait:.0f} s for a free slot ({who} is "
                             f"busy: {admission.in_use} running); retry later", retry_after=retry)
 
     async def _forward(self, ex: Exchange, parsed: Parsed, headers: dict[bytes, bytes],
@@ -337,14 +344,19 @@ class GatewayApp:
             if name in headers:
                 upstream_headers[name.decode()] = headers[name].decode("latin-1")
         anthropic = parsed.endpoint.anthropic
+        route = self.parts.gate.route  # the one the gate just let this request through by
+        target = route.upstream_name
         try:
             async with self.parts.upstream.request("POST", parsed.endpoint.path, parsed.body,
-                                                   upstream_headers) as response:
-                if response.status == 401:  # only SGLang's key check answers 401
+                                                   upstream_headers,
+                                                   route.base_url) as response:
+                if response.status == 401:  # only SGLang's (or its router's) key check
                     raise GatewayError(
-                        502, "engine_key_refused", "the engine refused the gateway's engine "
-                        "key (secrets/engine-api.key changed after one of them started); "
-                        "restart the gateway, and the engine if that does not help")
+                        502, "engine_key_refused", f"{target} refused the gateway's engine "
+                        "key (secrets/engine-api.key changed after one of them started"
+                        + ("; every box of the cell must hold the head's" if route.cell
+                           else "") + "); restart the gateway, and the engine if that does "
+                        "not help")
                 if response.status >= 400:
                     raise rewrap_engine_error(response.status, await response.read(), anthropic)
                 if parsed.stream and response.content_type == "text/event-stream":
@@ -364,7 +376,7 @@ class GatewayApp:
                 ex.outcome = "upstream_timeout"
                 await _end_stream(send)
                 return
-            raise GatewayError(504, "engine_timeout", "the engine did not answer within "
+            raise GatewayError(504, "engine_timeout", f"{target} did not answer within "
                                "gateway.first_byte_timeout_seconds") from None
         except aiohttp.ClientError as exc:
             if ex.response_started:
@@ -372,7 +384,7 @@ class GatewayApp:
                 await _end_stream(send)
                 return
             raise GatewayError(502, "engine_unreachable",
-                               f"could not reach the engine ({exc}); it may be restarting",
+                               f"could not reach {target} ({exc}); it may be restarting",
                                retry_after=5) from None
 
     async def _stream(self, ex: Exchange, parsed: Parsed, response: aiohttp.ClientResponse,

@@ -13,6 +13,13 @@ decided from these with the qualified point (`appliance.gateway.qualified`).
 While a qualification runs (`Published.qualifying`) every request gets a 503 too, saying the
 box is being qualified and until when; the qualification's own load goes to the engine
 directly, never through here.
+
+On the head of a prefill/decode cell (issue 17) the daemon also publishes the cell's row
+(`appliance.cell.published`). While it is active, the gateway forwards to the cell's router
+instead of the local engine, with the same engine key (the router demands it), and opens and
+closes on the cell's word: it admits while the cell serves, up to the cell's capacity, and
+refuses with the cell's reason and ETA while it does not. The qualification lease still
+closes it. `decide` is that choice, pure: a `Route` per poll.
 """
 
 from __future__ import annotations
@@ -20,12 +27,14 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any
 
+from appliance.cell.published import CellPublished
 from appliance.clock import Clock, SystemClock
 from appliance.engine.publish import Published
 from appliance.gateway.errors import GatewayError
-from appliance.gateway.qualified import FALLBACK_LIMIT
+from appliance.gateway.qualified import FALLBACK_LIMIT, AdmissionLimit, cell_limit
 from appliance.gateway.upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -58,13 +67,27 @@ def unavailable(published: Published | None) -> GatewayError:
         return GatewayError(503, "engine_unavailable",
                             "the engine's state is not known yet: the control plane "
                             "(appliance.service) has not published it", retry_after=10)
+    return _not_serving("engine_unavailable",
+                        f"the engine is {published.state.replace('_', ' ')}: "
+                        f"{published.message}", published.eta_seconds)
+
+
+def cell_unavailable(cell: CellPublished) -> GatewayError:
+    """The refusal while the cell does not serve: the head's reason (which role has no member
+    READY, and why) and its ETA, as for one engine."""
+    return _not_serving("cell_unavailable", "the cell is not serving: " + (
+        cell.message or "no prefill or no decode member is ready"), cell.eta_seconds)
+
+
+def _not_serving(code: str, message: str, eta_seconds: float | None) -> GatewayError:
+    """A 503 saying why, and when it should serve again: Retry-After the ETA (5 s to an
+    hour), 30 s when none is known."""
     retry = 30
-    message = f"the engine is {published.state.replace('_', ' ')}: {published.message}"
-    if published.eta_seconds is not None and published.eta_seconds > 0:
-        retry = min(3600, max(5, math.ceil(published.eta_seconds)))
-        minutes = max(1, round(published.eta_seconds / 60))
+    if eta_seconds is not None and eta_seconds > 0:
+        retry = min(3600, max(5, math.ceil(eta_seconds)))
+        minutes = max(1, round(eta_seconds / 60))
         message += f"; ready in about {minutes} min"
-    return GatewayError(503, "engine_unavailable", message + "; retry later", retry_after=retry)
+    return GatewayError(503, code, message + "; retry later", retry_after=retry)
 
 
 def qualifying(published: Published, now: dt.datetime) -> GatewayError:
@@ -80,39 +103,100 @@ def qualifying(published: Published, now: dt.datetime) -> GatewayError:
                         "capacity is measured without users; retry then", retry_after=retry)
 
 
+@dataclass(frozen=True)
+class Route:
+    """Where the gateway forwards now, and on whose word it opens: the local engine's
+    (`cell` None) or the active cell's. `admission` is the cell's limit; None on the local
+    engine, whose limit needs its own figures (`EngineGate` learns them)."""
+
+    base_url: str
+    published: Published | None
+    cell: CellPublished | None = None
+    admission: AdmissionLimit | None = None
+
+    @property
+    def through_cell(self) -> bool:
+        return self.cell is not None
+
+    @property
+    def upstream_name(self) -> str:
+        """What the users' errors call the upstream."""
+        return "the cell's router" if self.cell is not None else "the engine"
+
+    @property
+    def target(self) -> tuple[str, bool]:
+        """Whom requests go to: a new target's figures are learned before it is used."""
+        return self.base_url, self.cell is not None
+
+    @property
+    def serving(self) -> bool:
+        if self.cell is not None:
+            return self.cell.serving
+        return self.published is not None and self.published.admits_requests
+
+    def refusal(self, now: dt.datetime) -> GatewayError | None:
+        """The 503 a request gets now, or None. A qualification of the head closes the
+        gateway in a cell too: its engine is measured without users, and the lease is the
+        daemon's word that the box is not the users' now."""
+        published = self.published
+        if published is not None and published.qualifying(now):
+            return qualifying(published, now)
+        if self.serving:
+            return None
+        return unavailable(published) if self.cell is None else cell_unavailable(self.cell)
+
+
+def decide(published: Published | None, cell: CellPublished | None, local_url: str,
+           override: int = 0) -> Route:
+    """The route for what the daemon published: the cell's router while the cell's row is
+    active (its capacity sizing admission, `override` first), else the local engine."""
+    if cell is not None and cell.active:
+        return Route(cell.upstream_url.rstrip("/"), published, cell,
+                     cell_limit(cell.capacity, override=override))
+    return Route(local_url, published)
+
+
 class EngineGate:
+    """The route the gateway forwards by, kept open only once its target's figures are
+    read: `open` is true exactly while `route` serves."""
+
     def __init__(self, upstream: Upstream, override_limit: int,
                  clock: Clock | None = None) -> None:
         self.upstream, self.override_limit = upstream, override_limit
         self.clock = clock or SystemClock()
-        self.published: Published | None = None
-        self.limit: int | None = None  # the override, else the engine's, else a guess
+        self.local_url = upstream.base_url
+        self.route = decide(None, None, self.local_url)
+        self.limit: int | None = None  # the override, else the engine's (cell's), else a guess
         self.engine_limit: int | None = None  # the engine's max_running_requests, as it said
         self.context_len: int | None = None
-        self.open = False
+
+    @property
+    def published(self) -> Published | None:
+        return self.route.published
+
+    @property
+    def open(self) -> bool:
+        return self.route.serving
 
     def refusal(self) -> GatewayError | None:
-        published = self.published
-        if published is not None and published.qualifying(self.clock.now()):
-            return qualifying(published, self.clock.now())
-        return None if self.open else unavailable(published)
+        return self.route.refusal(self.clock.now())
 
-    async def refresh(self, published: Published | None) -> bool:
-        """Take the newest published state (the poll reads it); True when the concurrency
-        limit changed."""
-        self.published = published
-        serving = self.published is not None and self.published.admits_requests
-        if not serving:
-            self.open = False
-            return False
-        if self.open:
-            return False
-        before = self.limit
-        await self._learn_capacity()
-        self.open = True
-        return self.limit != before
+    async def refresh(self, published: Published | None,
+                      cell: CellPublished | None = None) -> None:
+        """Take the newest published state (the poll reads both rows). A route that serves a
+        target not served before is taken only after that target's figures are read, so
+        requests meanwhile keep going where they went."""
+        route = decide(published, cell, self.local_url, self.override_limit)
+        if route.serving and not (self.open and route.target == self.route.target):
+            await self._learn(route)
+        self.route = route
+        if route.admission is not None:
+            self.limit = route.admission.limit
 
-    async def _learn_capacity(self) -> None:
+    async def _learn(self, route: Route) -> None:
+        if route.through_cell:
+            await self._learn_cell(route.base_url)
+            return
         limit = None
         try:
             limit = engine_capacity(await self.upstream.get_json("/server_info"))
@@ -122,3 +206,16 @@ class EngineGate:
                         self.override_limit or FALLBACK_LIMIT)
         self.engine_limit = limit
         self.limit = self.override_limit or limit or FALLBACK_LIMIT
+
+    async def _learn_cell(self, router_url: str) -> None:
+        """The context length through the router, once as it turns serving. Its
+        `/server_info` is not read: it speaks for one worker at best, and the cell's capacity
+        is the daemon's (the decode members' sum, in the row)."""
+        self.engine_limit = None
+        try:
+            self.context_len = context_length(
+                await self.upstream.get_json("/v1/models", base_url=router_url))
+        except Exception as exc:
+            self.context_len = None  # the local engine's need not be the cell members'
+            log.warning("could not read the model's context length through the cell's router "
+                        "(%s); prompts are left to the engines to check", exc)

@@ -11,6 +11,10 @@ spell (a `/health` probe too) wakes the poll and waits for it (`fresh`), so it i
 keys and an engine state read after it arrived, as during traffic; polls are never closer
 than `poll_interval`, however many requests wake it.
 
+On the head of a cell the same poll reads the cell's row (`appliance.cell.published`) in the
+same transaction, and the gate routes by it (`appliance.gateway.engine_gate.decide`): to the
+cell's router, admitting up to the cell's capacity.
+
 Tests and the benchmark swap adapters by passing them here, never by patching imports.
 """
 
@@ -25,6 +29,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from appliance.cell.published import CellPublished, read_cell_published
 from appliance.clock import Clock, SystemClock
 from appliance.config import Config
 from appliance.config import engine_url as local_engine_url
@@ -123,23 +128,27 @@ class GatewayParts:
         await self.upstream.close()
 
     async def poll_once(self) -> None:
-        """One transaction for all three: the key table's fingerprint (and the keys, when it
-        moved), the engine's published state, and the running spec's qualified point."""
+        """One transaction for all four: the key table's fingerprint (and the keys, when it
+        moved), the engine's published state, the cell's (on a head), and the running spec's
+        qualified point."""
 
-        def read(session: Session) -> Published | None:
+        def read(session: Session) -> tuple[Published | None, CellPublished | None]:
             self.keys.refresh_in(session)
             published = read_published(session)
-            self.qualified = self.qualified_reader.read(
-                session, published.spec_hash if published is not None else None)
-            return published
+            cell = read_cell_published(session)
+            # in a cell the head's qualified point is not looked up: it does not apply there
+            # (appliance.gateway.qualified.cell_limit), and Retry-After must not use it either
+            spec = None if published is None or (cell and cell.active) else published.spec_hash
+            self.qualified = self.qualified_reader.read(session, spec)
+            return published, cell
 
         started = asyncio.get_running_loop().time()
         ticket = self.keys.poll_started()
         try:
-            published = await self.db.run(read)
+            published, cell = await self.db.run(read)
         finally:
             self.keys.poll_done(ticket)  # failing keys wait for this (keycache)
-        await self.gate.refresh(published)
+        await self.gate.refresh(published, cell)
         self._apply_limit()
         await self._read_kv()
         self._polled_at = started
@@ -148,11 +157,12 @@ class GatewayParts:
     def _apply_limit(self) -> None:
         """The one place admission's limit is set (every poll; a change is logged): the
         operator's override, else the running spec's qualified point less the margin, else
-        the engine's capacity as the gate learned it."""
+        the engine's capacity as the gate learned it; through a cell, the cell's (the
+        route's: the override, else the capacity the head published)."""
         gateway = self.config.gateway
-        decided = admission_limit(self.gate.engine_limit, self.qualified,
-                                  margin=gateway.qualified_margin,
-                                  override=gateway.max_concurrency)
+        decided = self.gate.route.admission or admission_limit(
+            self.gate.engine_limit, self.qualified, margin=gateway.qualified_margin,
+            override=gateway.max_concurrency)
         if decided == self.admission_limit:
             return
         self.admission_limit = decided
@@ -163,9 +173,11 @@ class GatewayParts:
         """The engine's free KV tokens for admission to weigh requests by, read while there
         is work (an idle engine's pool is free; nothing is read then), forgotten while the
         gate is closed. `/v1/loads` is SGLang's JSON load report (no --enable-metrics
-        needed): per data-parallel rank, `max_total_num_tokens` and `num_used_tokens`."""
+        needed): per data-parallel rank, `max_total_num_tokens` and `num_used_tokens`.
+        Through a cell nothing is read, and admission weighs by count alone: the router
+        speaks for one worker at best, and no one engine's pool is the cell's."""
         admission = self.admission
-        if not self.gate.open:
+        if not self.gate.open or self.gate.route.through_cell:
             admission.set_kv_free(None)
             return
         if not admission.in_use and not admission.waiting:

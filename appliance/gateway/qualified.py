@@ -11,6 +11,10 @@ The limit is, first match wins:
 3. the engine's `max_running_requests` from `/server_info` (source `unqualified: engine
    max_running_requests`): what the engine can hold, not what it can serve at the floor.
 
+On the head of a prefill/decode cell the gateway forwards to the cell's router and the rules
+are the cell's (`cell_limit`): the override, else the capacity the head's daemon published
+(source `cell: decode members' max_running_requests`).
+
 A request refused because the queue is full or its wait ran out is told when to retry
 (`retry_after`): the batches ahead of it, each taking as long as a full batch at the
 qualified point took in the qualification (the median over its repeats), never less than the
@@ -36,6 +40,8 @@ from appliance.qualify.verdict import percentile
 QUALIFIED = "qualified"
 UNQUALIFIED = "unqualified: engine max_running_requests"
 CONFIGURED = "configured"
+CELL = "cell: decode members' max_running_requests"
+CELL_UNKNOWN = "cell: capacity not published"
 FALLBACK_LIMIT = 32  # the engine did not say (an old or odd build): a cautious guess
 RETRY_MAX = 600  # seconds; a longer Retry-After is a guess no client should sleep on
 UNQUALIFIED_RETRY_MAX = 60
@@ -94,14 +100,22 @@ class QualifiedReader:
 
 @dataclass(frozen=True)
 class AdmissionLimit:
-    """The global limit and why it is that (`source`: QUALIFIED, UNQUALIFIED or CONFIGURED)."""
+    """The global limit and why it is that (`source`: QUALIFIED, UNQUALIFIED or CONFIGURED;
+    through a cell's router (`cell`): CELL, CELL_UNKNOWN or CONFIGURED)."""
 
     limit: int
     source: str
     qualified: QualifiedPoint | None = None
+    cell: bool = False
 
     def words(self) -> str:
         """What the dashboard, the Usage page and `/health` say."""
+        if self.cell:
+            ground = {CONFIGURED: "gateway.max_concurrency",
+                      CELL: "the sum of its ready decode members' max_running_requests"
+                      }.get(self.source, "a cautious guess: the head has not published the "
+                            "cell's capacity yet")
+            return f"admitting up to {self.limit} at a time through the cell's router ({ground})"
         if self.source == QUALIFIED and self.qualified is not None:
             return f"admitting up to {self.limit} at a time ({self.qualified.words()})"
         if self.source == CONFIGURED:
@@ -133,6 +147,22 @@ def admission_limit(engine_limit: int | None, qualified: QualifiedPoint | None, 
             limit = min(limit, engine_limit)
         return AdmissionLimit(limit, QUALIFIED, qualified)
     return AdmissionLimit(engine_limit or FALLBACK_LIMIT, UNQUALIFIED)
+
+
+def cell_limit(capacity: int | None, *, override: int = 0) -> AdmissionLimit:
+    """The limit through a cell's router: the operator's override, else the capacity the
+    head published (the sum over READY decode members of their effective
+    max_running_requests), else a guess.
+
+    The head's qualified point does not apply: it measured the head's engine alone, serving
+    whole requests (prefill and decode on one box) at the floor speed, which is not what the
+    cell is: its prefills and decodes run on other boxes, and its capacity is held by the
+    decode members' running slots."""
+    if override > 0:
+        return AdmissionLimit(override, CONFIGURED, cell=True)
+    if capacity is not None and capacity > 0:
+        return AdmissionLimit(capacity, CELL, cell=True)
+    return AdmissionLimit(FALLBACK_LIMIT, CELL_UNKNOWN, cell=True)
 
 
 def retry_after(ahead: int, limit: int, qualified: QualifiedPoint | None,

@@ -8,6 +8,9 @@ every later read may take up to `read_timeout` (a long prompt's prefill, a busy 
 Every request carries the engine's API key (`appliance.secrets.engine_api_key`), which SGLang
 demands on all but /health*, /ready* and /metrics*; the client's own Authorization header is
 never forwarded.
+
+On the head of a cell the same client reaches the cell's router: each call may name another
+base URL (`base_url`), and the router is sent the same key (it demands it of its callers).
 """
 
 from __future__ import annotations
@@ -46,13 +49,15 @@ class Upstream:
         return self._session
 
     def request(self, method: str, path: str, body: bytes | None,
-                headers: dict[str, str]) -> Any:
-        """An aiohttp request context (`async with upstream.request(...) as response`)."""
-        return self.session.request(method, self.base_url + path, data=body, headers=headers,
-                                    allow_redirects=False)
+                headers: dict[str, str], base_url: str | None = None) -> Any:
+        """An aiohttp request context (`async with upstream.request(...) as response`), to
+        the local engine unless `base_url` names another upstream."""
+        return self.session.request(method, (base_url or self.base_url) + path, data=body,
+                                    headers=headers, allow_redirects=False)
 
-    async def get_json(self, path: str, timeout: float = 5.0) -> Any:
-        async with self.session.get(self.base_url + path,
+    async def get_json(self, path: str, timeout: float = 5.0,
+                       base_url: str | None = None) -> Any:
+        async with self.session.get((base_url or self.base_url) + path,
                                     timeout=aiohttp.ClientTimeout(total=timeout)) as response:
             response.raise_for_status()
             return await response.json(content_type=None)
