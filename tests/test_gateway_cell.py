@@ -24,7 +24,6 @@ from appliance.engine.publish import Published, write_qualifying
 from appliance.gateway.engine_gate import decide
 from appliance.gateway.qualified import CELL, CELL_UNKNOWN, CONFIGURED, FALLBACK_LIMIT, cell_limit
 from appliance.secrets import engine_auth_path, write_engine_auth
-from tests.conftest import wait_for
 from tests.gateway_rig import (
     MODEL,
     LiveGateway,
@@ -35,6 +34,7 @@ from tests.gateway_rig import (
     stop_engine,
 )
 from tests.test_fake_sglang import Emulator
+from tests.test_qualified_admission import health, wait_health
 
 NOW = dt.datetime(2026, 5, 1, 12, 0, tzinfo=dt.UTC)
 LOCAL = "http://127.0.0.1:30000"
@@ -143,17 +143,6 @@ def live(config: Config, db: Database, gateway_engine: Emulator,
     gateway.wait_admitting()
     yield gateway
     gateway.stop()
-
-
-def health(gateway: LiveGateway) -> httpx.Response:
-    return httpx.get(f"{gateway.url}/health", timeout=5)
-
-
-def wait_health(gateway: LiveGateway, check: object, what: str) -> dict[str, object]:
-    def seen() -> dict[str, object] | None:
-        body = health(gateway).json()
-        return body if check(body) else None  # type: ignore[operator]
-    return dict(wait_for(seen, what, 20))
 
 
 def counts(*engines: Emulator) -> list[int]:
