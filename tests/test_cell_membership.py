@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +25,7 @@ import pytest
 from appliance.auth.accounts import create_admin
 from appliance.auth.tokens import create_token
 from appliance.cell.membership import credential_path
+from appliance.config import Config
 from appliance.db.database import Database
 from appliance.db.journal import list_audit
 from appliance.db.schema import migrate
@@ -53,12 +54,19 @@ class Box:
         return [e for e in entries.items if e.action == action]
 
 
-def start_box(root: Path, name: str) -> tuple[Box, Database]:
-    config = make_config(root / name)
+def start_box(root: Path, name: str, env: dict[str, str] | None = None,
+              prepare: Callable[[Config, Database], None] | None = None,
+              **overrides: Any) -> tuple[Box, Database]:
+    """A box on its own port and state directory: `env` adds APPLIANCE_* settings, `prepare`
+    runs on the migrated database before the daemon starts (weights to prove, say), and
+    `overrides` go to build_runtime (adapters, poll intervals)."""
+    config = make_config(root / name, **(env or {}))
     clock = FakeClock()
     db = Database(config.database_url)
     migrate(db, migrations_dir(), config.paths.state_dir / "backups", clock.now())
-    runtime = build_runtime(config, clock=clock, db=db)
+    if prepare is not None:
+        prepare(config, db)
+    runtime = build_runtime(config, clock=clock, db=db, **overrides)
     now = clock.now()
 
     def admin_token(s: Any) -> str:
@@ -73,15 +81,19 @@ def start_box(root: Path, name: str) -> tuple[Box, Database]:
     return Box(name, runtime, server, api, clock), db
 
 
+def close_box(box: Box, db: Database) -> None:
+    box.api.close()
+    box.server.stop()
+    db.dispose()
+
+
 @pytest.fixture
 def boxes(tmp_path: Path) -> Iterator[tuple[Box, Box]]:
     head, head_db = start_box(tmp_path, "head")
     member, member_db = start_box(tmp_path, "member")
     yield head, member
-    for box, db in ((head, head_db), (member, member_db)):
-        box.api.close()
-        box.server.stop()
-        db.dispose()
+    close_box(head, head_db)
+    close_box(member, member_db)
 
 
 def join_token(member: Box) -> str:

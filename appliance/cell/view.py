@@ -209,6 +209,7 @@ class _Candidate:
     eta_seconds: float | None
     ready: bool
     problem: str
+    own: bool = False
 
 
 def is_loopback(host: str) -> bool:
@@ -303,7 +304,7 @@ def _own_candidate(own: EngineFacts) -> _Candidate | None:
     name = "this box (the head)"
     problem = "" if own.state == READY else _state_words(name, own.state, own.eta_seconds)
     return _Candidate(name, own.role, own.url, own.bootstrap_port, own.state, own.capacity,
-                      own.eta_seconds, not problem and own.url is not None, problem)
+                      own.eta_seconds, not problem and own.url is not None, problem, own=True)
 
 
 def _candidates(own: EngineFacts, members: Iterable[MemberView]) -> list[_Candidate]:
@@ -324,7 +325,8 @@ def _missing(role: str, candidates: Sequence[_Candidate]) -> tuple[str, float | 
     etas = [c.eta_seconds for c in of_role
             if c.eta_seconds is not None and c.state in STARTING_WORDS]
     reasons = "; ".join(c.problem for c in of_role)
-    return f"no {role} engine is ready: {reasons}", min(etas) if etas else None
+    who = "engine" if any(c.own for c in of_role) else "member"
+    return f"no {role} {who} is ready: {reasons}", min(etas) if etas else None
 
 
 def build_view(own: EngineFacts, observed: Sequence[Observed], *, router_running: bool,
