@@ -2,7 +2,9 @@
 
 Only when `weights.prewarm` is on and host RAM is at least 1.25 times the model (the B300 box
 has 3 TiB for 1.56 TB); skipped when a prewarm, or a full verification that kept its pages,
-ran in the last ten minutes.
+ran in the last ten minutes. On a prefill box with a hierarchical cache, the RAM plan
+(ram_plan.py: what the host cache leaves the weights' page cache once the engine runs) is
+stated with the prewarm's line and event.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import psutil
 
 from appliance.sizes import bytes_text, rate_text
 from appliance.weights import records
-from appliance.weights.hashing import prewarm, should_prewarm
+from appliance.weights.hashing import prewarm
 from appliance.weights.importer import in_thread
+from appliance.weights.ram_plan import plan_ram
 
 if TYPE_CHECKING:
     from appliance.weights.service import WeightsService
@@ -36,7 +39,14 @@ async def prewarm_for_launch(service: WeightsService, report: Callable[[str], No
     if not service.config.weights.prewarm or record is None:
         return None
     memory = (await asyncio.to_thread(psutil.virtual_memory)).total
-    if not should_prewarm(record.total_bytes, memory):
+    host = await service.host_cache() if service.host_cache is not None else None
+    plan = plan_ram(memory, record.total_bytes, host)
+    ram_note = f"; RAM plan: {plan.sentence}" if host is not None else ""
+    if plan.verdict == "refused":  # said before the 80-minute load, not after it
+        await service.record_event("warning", f"RAM plan: {plan.sentence}")
+    if not plan.prewarm:
+        if ram_note:
+            report(f"no prewarm{ram_note}")
         return None
     loop = asyncio.get_running_loop()
     if service._warm_at is not None and loop.time() - service._warm_at < WARM_FOR_SECONDS:
@@ -67,6 +77,6 @@ async def prewarm_for_launch(service: WeightsService, report: Callable[[str], No
     service._warm_at = loop.time()
     rate = result.bytes_read / max(result.seconds, 1e-6)
     message = (f"page cache warmed before the launch: {bytes_text(result.bytes_read)} in "
-               f"{result.seconds:.1f} s ({rate_text(rate)})")
+               f"{result.seconds:.1f} s ({rate_text(rate)}){ram_note}")
     await service.record_event("info", message)
     return message

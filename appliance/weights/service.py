@@ -33,6 +33,7 @@ from appliance.weights import records
 from appliance.weights.live import LiveFile, RateMeter, eta
 from appliance.weights.manifest import Manifest
 from appliance.weights.quick import QuickReport, quick_verify
+from appliance.weights.ram_plan import HostCache
 from appliance.weights.views import (
     Activity,
     FileState,
@@ -86,6 +87,9 @@ class WeightsService:
         self._fresh = False
         self.space_recheck_seconds = SPACE_RECHECK_SECONDS  # how often a paused pull looks
         self._warm_at: float | None = None  # loop time of the last prewarm
+        # The host cache a prefill box's next launch allocates (the tuning service sets it):
+        # the prewarm states the RAM plan it implies (ram_plan.py).
+        self.host_cache: Callable[[], Awaitable[HostCache | None]] | None = None
 
     # --- life -------------------------------------------------------------------------------
 
