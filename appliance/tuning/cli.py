@@ -299,12 +299,19 @@ def _add_recommend(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--current-ratio", type=float,
                      help="the ratio to compare with (default: the one the engine's last start "
                           "on this box used, else engine.mamba_full_memory_ratio)")
+    cmd.add_argument("--role", choices=("unified", "prefill", "decode"),
+                     help="size for this cell role (default: this box's role)")
+    cmd.add_argument("--chunked-prefill-size", type=int,
+                     help="a prefill's batch in prompt tokens (default: SGLang's on a B300, "
+                          "16384)")
     cmd.add_argument("--json", action="store_true", help="print JSON")
 
 
 def recommend_command(args: argparse.Namespace, config: Config) -> int:
     """The ratio (or pin) that serves a profile best, against the configured one."""
+    from appliance.cell.role_choice import effective_role
     from appliance.tuning.recommend import recommend
+    from appliance.tuning.roles import role_target
 
     profile = _find_profile(config, args.profile)
     log = log_input(args, config)
@@ -321,8 +328,11 @@ def recommend_command(args: argparse.Namespace, config: Config) -> int:
     current_from = ("given" if args.current_ratio is not None
                     else "the running engine's" if running is not None
                     else "the configured")
+    role = role_target(args.role or effective_role(config), profile.lengths,
+                       profile.target_concurrency, chunked_prefill=args.chunked_prefill_size)
     rec = recommend(geometry, launch, budget.bytes, profile.lengths,
-                    target_concurrency=profile.target_concurrency, current_ratio=current)
+                    target_concurrency=profile.target_concurrency, current_ratio=current,
+                    role=role)
     if args.json:
         print(json.dumps({"model_config": str(path), "profile": profile.to_dict(),
                           "launch": asdict(launch), "budget": budget.to_dict(),
@@ -359,6 +369,10 @@ def recommend_command(args: argparse.Namespace, config: Config) -> int:
     ]
     if rec.cap_note:
         lines.append(f"cap: {rec.cap_note}")
+    if role.role != "unified":
+        lines.append(f"role: {role.role}: {role.basis}")
+    if role.max_running_requests is not None:
+        lines.append(f"start it with --max-running-requests {role.max_running_requests}")
     lines += ["", rec.summary]
     print("\n".join(lines))
     return 0

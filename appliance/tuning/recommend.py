@@ -31,6 +31,7 @@ from appliance.errors import EX_DATAERR, ApplianceError
 from appliance.tuning.calculator import CalculatorError, Launch, Sizing, size_pools
 from appliance.tuning.geometry import Geometry
 from appliance.tuning.profiles import LengthDistribution, format_tokens
+from appliance.tuning.roles import RoleTarget
 
 GRID_LOW = 0.02
 GRID_HIGH = 50.0
@@ -150,9 +151,11 @@ class Recommendation:
     mean_tokens: int
     longest_tokens: int
     sizing: Sizing
+    role: RoleTarget | None = None  # the cell role it was sized for (None: a box alone)
 
     def to_dict(self) -> dict[str, Any]:
         data = {key: value for key, value in self.__dict__.items() if key != "sizing"}
+        data["role"] = self.role.to_dict() if self.role else None
         data["recommended"] = self.recommended.to_dict()
         data["current"] = self.current.to_dict()
         data["pin_capacity"] = self.pin_capacity.to_dict() if self.pin_capacity else None
@@ -163,13 +166,24 @@ class Recommendation:
 
 def recommend(geometry: Geometry, launch: Launch, budget_bytes: int,
               lengths: LengthDistribution, *, target_concurrency: int,
-              current_ratio: float, grid: Sequence[float] | None = None) -> Recommendation:
+              current_ratio: float, grid: Sequence[float] | None = None,
+              role: RoleTarget | None = None) -> Recommendation:
     """The ratio that fits the most concurrent requests of `lengths` (ties: the lowest, which
     leaves the most KV headroom), with the balanced ratio, an optional pin, and the words.
 
     `launch` is the current launch: its `max_mamba_cache_size`, if set, applies to the
     current capacity only (SGLang ignores the ratio under a pin); the sweep is unpinned.
+
+    `role` (appliance.tuning.roles) sizes for a cell role: its concurrency replaces
+    `target_concurrency`, and its `--max-running-requests` (a prefill's few requests at once)
+    applies to both the current and the recommended split, so the recommendation is the
+    lowest ratio that holds them, with the rest of the memory as KV. None, or a unified or
+    decode target, recommends exactly as for a box serving alone.
     """
+    if role is not None:
+        target_concurrency = role.concurrency
+        if role.max_running_requests is not None:
+            launch = replace(launch, max_running_requests=role.max_running_requests)
     free = _unpinned(launch)
     ratios = sorted(set(grid if grid is not None else ratio_grid()))
     swept = _sweep(geometry, free, budget_bytes, lengths, ratios)
@@ -215,7 +229,7 @@ def recommend(geometry: Geometry, launch: Launch, budget_bytes: int,
         gives_up=_gives_up(ratio, chosen, current_ratio, current, launch, geometry),
         summary=_summary(ratio, chosen, current_ratio, current, lengths, target_concurrency,
                          launch),
-        mean_tokens=mean, longest_tokens=lengths.max, sizing=sizing)
+        mean_tokens=mean, longest_tokens=lengths.max, sizing=sizing, role=role)
 
 
 # --- the sweep ----------------------------------------------------------------------------

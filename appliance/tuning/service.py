@@ -13,6 +13,13 @@ log's decode lines give the saturation, and the lengths when the records are too
 Applying a choice records it (`tuning_choice`) and hands the supervisor the flags it adds to
 the launch spec's tuning layer (`--mamba-full-memory-ratio`, and `--max-mamba-cache-size` for a
 pin); the restart that makes it real is the operator's, now or in a maintenance window.
+
+The box's cell role (the head's choice over `cell.role`, as the launch spec's role layer reads
+it) decides what the split is sized for (appliance.tuning.roles): a prefill box for the few
+requests it prefills at once, a decode or unified box for the profile's concurrency. A prefill
+box with `cell.hierarchical_cache` also gets its RAM plan (appliance.weights.ram_plan): the
+host cache its GPU pools imply against the weights' page cache; the same figure goes to the
+weights service, whose prewarm before a launch states it.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -44,6 +52,8 @@ from appliance.tuning.geometry import Geometry, load_geometry
 from appliance.tuning.observed import Advice, advise, observe
 from appliance.tuning.profiles import LengthDistribution, Profile
 from appliance.tuning.recommend import Capacity, CurvePoint, Recommendation, curve, recommend
+from appliance.tuning.roles import RoleTarget, role_target
+from appliance.weights.ram_plan import HostCache, RamPlan, host_cache_size, plan_ram
 
 if TYPE_CHECKING:
     from appliance.engine.supervisor import Supervisor
@@ -76,6 +86,8 @@ class TuningView:
     restart_cost: str
     problems: tuple[str, ...] = field(default=())
     observed: Advice | None = None  # gateway records and/or the engine log, since its start
+    role: RoleTarget | None = None  # the cell role the split is sized for
+    ram: RamPlan | None = None  # a prefill box's host cache against the weights' page cache
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -88,7 +100,19 @@ class TuningView:
             "restart_needed": self.restart_needed, "restart_cost": self.restart_cost,
             "problems": list(self.problems),
             "observed": self.observed.to_dict() if self.observed else None,
+            "role": self.role.to_dict() if self.role else None,
+            "ram_plan": self.ram.to_dict() if self.ram else None,
         }
+
+
+@dataclass(frozen=True)
+class RoleSizing:
+    """This box's facts and its recommendation per cell role (`TuningService.by_role`)."""
+
+    geometry: Geometry
+    launch: Launch
+    budget: Budget
+    recommendations: dict[str, Recommendation]
 
 
 class TuningService:
@@ -107,6 +131,7 @@ class TuningService:
         """Give the supervisor the applied choice's flags before it builds any spec."""
         choice = await self.db.run(store.get_choice)
         self.supervisor.tuning_args = tuning_args(choice)
+        self.weights.host_cache = self.host_cache  # the prewarm states the RAM plan with it
 
     # --- reads --------------------------------------------------------------------------------
 
@@ -146,27 +171,102 @@ class TuningService:
     async def profiles(self) -> list[Profile]:
         return await self.db.run(store.list_profiles)
 
+    def role(self) -> str:
+        """The box's cell role for its next launch: the head's choice, else `cell.role`."""
+        return self.supervisor.role or self.config.cell.role
+
+    def role_target(self, role: str, profile: Profile, spec: LaunchSpec | None = None
+                    ) -> RoleTarget:
+        """What `role`'s split is sized for at `profile`, with the spec's
+        `--chunked-prefill-size` when the operator set one."""
+        chunk = _flag(spec or self.supervisor.current_spec(), "--chunked-prefill-size")
+        return role_target(role, profile.lengths, profile.target_concurrency,
+                           chunked_prefill=int(chunk) if chunk and chunk.isdigit() else None)
+
+    async def profile(self, name: str | None = None) -> Profile:
+        """A profile by name; None: the applied choice's, else "balanced"."""
+        choice = await self.db.run(store.get_choice)
+        chosen = name or (choice.profile if choice else DEFAULT_PROFILE)
+        return await self.db.run(lambda s: store.find_profile(s, chosen))
+
+    async def by_role(self, profile: Profile, roles: Sequence[str]) -> RoleSizing:
+        """The recommendation a box like this one would get in each of `roles` (the cell
+        plan's per-box capacities), on this box's geometry, launch and budget."""
+        geometry = await self.geometry()
+        spec = self.supervisor.current_spec()
+        launch = self.launch(geometry, spec)
+        budget = await self.budget(launch)
+        current = _ratio_of(spec, self.config.engine.mamba_full_memory_ratio)
+
+        def one(role: str) -> Recommendation:
+            return recommend(geometry, launch, budget.bytes, profile.lengths,
+                             target_concurrency=profile.target_concurrency,
+                             current_ratio=current, role=self.role_target(role, profile, spec))
+
+        recs = {role: await asyncio.to_thread(one, role) for role in roles}
+        return RoleSizing(geometry, launch, budget, recs)
+
+    async def host_cache(self) -> HostCache | None:
+        """The host cache this box's next launch would allocate (None: not a prefill box with
+        `cell.hierarchical_cache`, or its pools cannot be sized yet). Never raises: the prewarm
+        calls it before a launch and only states the figure."""
+        if self.role() != "prefill" or not self.config.cell.hierarchical_cache:
+            return None
+        try:
+            geometry = await self.geometry()
+            spec = self.supervisor.current_spec()
+            launch = self.launch(geometry, spec)
+            budget = await self.budget(launch)
+            ratio = _ratio_of(spec, self.config.engine.mamba_full_memory_ratio)
+            return await self._host_cache(geometry, launch, budget, ratio)
+        except ApplianceError:
+            return None
+
+    async def _host_cache(self, geometry: Geometry, launch: Launch, budget: Budget,
+                          ratio: float) -> HostCache:
+        sizing = await asyncio.to_thread(size_pools, geometry, launch, budget.bytes, ratio)
+        device = sizing.kv_bytes + sizing.draft_kv_bytes + sizing.conv_state_bytes \
+            + sizing.ssm_state_bytes  # what SGLang's host pools mirror, per rank
+        ram = await asyncio.to_thread(lambda: psutil.virtual_memory().total)
+        return host_cache_size(device, launch.tp, self.config.cell.hicache_ratio or None, ram)
+
+    async def ram_plan(self, geometry: Geometry, launch: Launch, budget: Budget,
+                       ratio: float) -> RamPlan | None:
+        """A prefill box's RAM plan (None for other roles); None too when its pools cannot be
+        sized (the page states that problem already)."""
+        if self.role() != "prefill":
+            return None
+        host = None
+        if self.config.cell.hierarchical_cache:
+            try:
+                host = await self._host_cache(geometry, launch, budget, ratio)
+            except ApplianceError:
+                return None
+        weights = (await self.weights.status()).total_bytes or K3_WEIGHT_BYTES
+        ram = await asyncio.to_thread(lambda: psutil.virtual_memory().total)
+        return plan_ram(ram, weights, host)
+
     async def view(self, profile: str | Profile | None = None) -> TuningView:
         """The figures for a profile: by name, an unsaved draft (a `Profile`), or None for
         the applied choice's profile (else "balanced")."""
         choice = await self.db.run(store.get_choice)
-        if isinstance(profile, Profile):
-            chosen = profile
-        else:
-            name = profile or (choice.profile if choice else DEFAULT_PROFILE)
-            chosen = await self.db.run(lambda s: store.find_profile(s, name))
+        chosen = profile if isinstance(profile, Profile) else await self.profile(profile)
         geometry = await self.geometry()
         spec = self.supervisor.current_spec()
         launch = self.launch(geometry, spec)
         startup = await self.last_startup()  # read once: budget and observed workload
         budget = await self.budget(launch, startup)
         current_ratio = _ratio_of(spec, self.config.engine.mamba_full_memory_ratio)
+        role = self.role_target(self.role(), chosen, spec)
         rec = await asyncio.to_thread(
             lambda: recommend(geometry, launch, budget.bytes, chosen.lengths,
                               target_concurrency=chosen.target_concurrency,
-                              current_ratio=current_ratio))
+                              current_ratio=current_ratio, role=role))
+        # A prefill's chart shows its own limit (--max-running-requests at its concurrency).
+        charted = launch if role.max_running_requests is None else replace(
+            launch, max_running_requests=role.max_running_requests)
         points = await asyncio.to_thread(
-            lambda: curve(geometry, launch, budget.bytes, chosen.lengths, _chart_ratios()))
+            lambda: curve(geometry, charted, budget.bytes, chosen.lengths, _chart_ratios()))
         observed = await self.observed(geometry, launch, budget, current_ratio, startup)
         problems = [] if budget.measured else [
             "no engine startup has been measured on this box yet: the budget is an estimate "
@@ -177,7 +277,8 @@ class TuningService:
             recommendation=rec, curve=points, choice=choice,
             restart_needed=_restart_needed(choice, self.supervisor.running_spec_hash, spec),
             restart_cost=self.supervisor.start_cost(), problems=tuple(problems),
-            observed=observed)
+            observed=observed, role=role,
+            ram=await self.ram_plan(geometry, launch, budget, current_ratio))
 
     async def observed(self, geometry: Geometry, launch: Launch, budget: Budget,
                        current_ratio: float, startup: str) -> Advice | None:
@@ -307,6 +408,12 @@ def describe_geometry(geometry: Geometry) -> str:
     return (f"{geometry.model_type}: {geometry.linear_layers} {geometry.linear_kind.upper()} "
             f"layers ({geometry.linear_v_heads} heads x {geometry.linear_v_dim}, conv "
             f"{geometry.conv_kernel}) + {attention}; context {geometry.context_length:,} tokens")
+
+
+def _flag(spec: LaunchSpec, flag: str) -> str | None:
+    """The value of the spec's last `flag` (the last wins, as in SGLang's parser)."""
+    values = [arg.value for arg in spec.args if arg.flag == flag and arg.value is not None]
+    return values[-1] if values else None
 
 
 def _ratio_of(spec: LaunchSpec, fallback: float) -> float:

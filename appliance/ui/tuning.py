@@ -4,7 +4,10 @@ For the profile picked (`?profile=`), the panel (`partials/tuning_panel.html`) s
 length distribution and target, the pool budget (measured, or an estimate, said so), the
 current ratio and what it gives, the recommendation and what it gives up, the balanced ratio,
 the chart (server-rendered SVG, `appliance.tuning.chart`) and the applied choice. Picking a
-profile swaps the panel (htmx) and pushes `/tuning?profile=NAME`.
+profile swaps the panel (htmx) and pushes `/tuning?profile=NAME`. On a box of a cell the panel
+says which role the split is sized for and why (a prefill box: the few requests it prefills at
+once, with the `--max-running-requests` to start it with), and a prefill box's RAM plan (its
+host cache against the weights' page cache, appliance.weights.ram_plan).
 
 The profile editor sits outside the panel, so a swap never wipes what is typed; each change
 re-renders the panel as a preview of the unsaved draft. Saving, editing and deleting answer
