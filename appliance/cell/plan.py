@@ -1,0 +1,401 @@
+"""Capacity planning for a cell: what a mix of boxes like this one would serve (issue 17). Pure.
+
+For a workload profile, each mix (1 unified; 1 prefill + 1 decode; 1P+2D; 2 unified; or
+an operator's `NU` / `NP+MD`) gets three figures, each labelled MEASURED or PREDICTED with
+its basis in words:
+
+- **users at the floor**: concurrent users the mix serves with every user decoding at the
+  per-user floor (32 tokens/s at p10 by default, as a qualification judges it);
+- **output tokens/s** at that concurrency;
+- **time to first token** at that concurrency (typical: a qualification's p50, the model's
+  mean).
+
+Measured figures come, in this order, from this box's qualification ledger (a finished
+qualification of this box's own spec as a unified box, at a floor at least the plan's:
+figures for "1 unified" only), then from the field points of issue 17 when this box is Kimi
+K3 on 8 GPUs (`FIELD_K3`: one B300x8 box unified, ~552 tokens/s at 64 users; a 1P+1D pair
+1,163 tokens/s at 64 users, every user above 32 tokens/s), each with the model's prediction
+beside it. Everything else is PREDICTED by the model below.
+
+The model (its assumptions; what a predicted figure means):
+
+- Every box is like this one: same GPUs, weights and launch, each tuned for its role with the
+  Tuning page's recommendation (`unified_capacity`: concurrent requests a unified or decode
+  box's pools hold at the profile's lengths; a prefill box's pools must hold its few
+  requests and the longest prompt, `prefill_fits`).
+- A request is a mean prompt of `prompt_tokens` and a mean answer of `output_tokens` (the
+  profile's lengths split as a qualification splits them).
+- A box prefills `prefill_rate` prompt tokens/s and, while only decoding, sustains
+  `decode_rate` output tokens/s summed over its users at the floor (None: unknown, then only
+  memory and prefill limit a box).
+- A unified box shares its time: each user at the floor costs `floor / decode_rate` of it for
+  decoding and `floor * prompt / (answer * prefill_rate)` for prefilling its next request; the
+  box is planned to at most `UTILISATION` busy, so queues stay finite.
+- A decode box only decodes: it holds `decode_rate / floor` users at the floor, at most what
+  its pools hold. The prefill boxes feed the decode boxes: together they prefill at most
+  `UTILISATION` of `prefill_rate` each, so the mix holds no more users than that feeds.
+  The KV handover over RDMA is taken as free beside the prefill.
+- TTFT is a mean prompt's prefill time, queued as at a single server with fixed service time
+  (M/D/1: `(1 + rho / (2 (1 - rho)))` times the service time) at the prefill's utilisation
+  `rho`; on a unified box the prefill also runs only in the time decode leaves it.
+- Output tokens/s: each user repeats "wait the TTFT, then stream an answer at the floor", so
+  `users * floor * answer / (answer + floor * TTFT)`.
+- Not modelled: prefix-cache hits (an agent's resent transcript is mostly cached, which makes
+  prefill far cheaper than assumed: the prefill side is a floor), speculative decoding's
+  acceptance, a router's imbalance between boxes, network limits.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from appliance.errors import EX_USAGE, ApplianceError
+from appliance.qualify.ledger import Record
+from appliance.qualify.plan import DEFAULT_FLOOR, PREFILL_GUESS
+
+DEFAULT_MIXES = ("1U", "1P+1D", "1P+2D", "2U")
+MAX_BOXES = 16   # a custom mix's boxes, all roles together
+MAX_MIXES = 8    # mixes in one plan
+UTILISATION = 0.9
+_MIX = re.compile(r"\s*(?:(\d{1,3})\s*U|(\d{1,3})\s*P\s*\+\s*(\d{1,3})\s*D)\s*", re.IGNORECASE)
+
+Kind = Literal["measured", "predicted"]
+
+
+class PlanInputError(ApplianceError):
+    """A mix or floor the planner cannot take; says what it would take."""
+
+    def __init__(self, message: str, hint: str) -> None:
+        super().__init__("cell_plan_invalid", message, hint, status=422, exit_code=EX_USAGE)
+
+
+@dataclass(frozen=True)
+class Mix:
+    """`unified` boxes serving alone side by side, or `prefill` + `decode` boxes in P/D."""
+
+    unified: int = 0
+    prefill: int = 0
+    decode: int = 0
+
+    @property
+    def label(self) -> str:
+        if self.unified:
+            return f"{self.unified} unified"
+        return f"{self.prefill}P+{self.decode}D"
+
+    @property
+    def boxes(self) -> int:
+        return self.unified + self.prefill + self.decode
+
+
+def parse_mix(text: str) -> Mix:
+    """`1U`, `2U`, `1P+1D`, `1P+3D` (case and spaces free); at least one box of each role a
+    mix needs, `MAX_BOXES` at most."""
+    match = _MIX.fullmatch(text)
+    if match is None:
+        raise PlanInputError(f"{text[:40]!r} is not a mix",
+                             "write NU for N unified boxes (e.g. 2U) or NP+MD for N prefill "
+                             "and M decode boxes (e.g. 1P+3D)")
+    unified, prefill, decode = (int(g) if g else 0 for g in match.groups())
+    mix = Mix(unified, prefill, decode)
+    if (unified == 0 and (prefill == 0 or decode == 0)) or mix.boxes > MAX_BOXES:
+        raise PlanInputError(f"{text[:40]!r}: a mix needs 1 to {MAX_BOXES} boxes, a P/D mix at "
+                             "least one prefill and one decode box",
+                             "e.g. 1U, 2U, 1P+1D or 1P+3D")
+    return mix
+
+
+def parse_mixes(texts: Sequence[str]) -> tuple[Mix, ...]:
+    """The default mixes, then the operator's (each once, `MAX_MIXES` in all)."""
+    mixes: list[Mix] = []
+    for text in (*DEFAULT_MIXES, *texts):
+        for part in text.split(","):
+            if part.strip() and (mix := parse_mix(part)) not in mixes:
+                mixes.append(mix)
+    if len(mixes) > MAX_MIXES:
+        raise PlanInputError(f"{len(mixes)} mixes; at most {MAX_MIXES} in one plan",
+                             "ask for fewer custom mixes")
+    return tuple(mixes)
+
+
+def check_floor(floor: float) -> float:
+    if not (math.isfinite(floor) and 0 < floor <= 10_000):
+        raise PlanInputError(f"a floor of {floor:g} tokens/s cannot be planned for",
+                             f"give the per-user decode floor in tokens/s, e.g. "
+                             f"{DEFAULT_FLOOR:g}")
+    return floor
+
+
+@dataclass(frozen=True)
+class Point:
+    """A measured operating point: `users` at once, `output_tps` in all, typical TTFT; with
+    `floor_held` every user at or above `floor` tokens/s. `source` says where, in words."""
+
+    users: int
+    output_tps: float
+    ttft_seconds: float | None
+    floor_held: bool
+    floor: float
+    source: str
+
+
+@dataclass(frozen=True)
+class FieldPoints:
+    """Figures measured elsewhere on the same model and hardware, cited."""
+
+    unified: Point
+    pair: Point  # one prefill and one decode box
+
+
+FIELD_SOURCE = "measured in the field on Kimi K3, 8xB300 per box (issue 17), not on this box"
+FIELD_K3 = FieldPoints(
+    unified=Point(64, 552.0, None, False, DEFAULT_FLOOR,
+                  f"{FIELD_SOURCE}: one box at 64 users, not every user at the floor"),
+    pair=Point(64, 1163.0, None, True, DEFAULT_FLOOR,
+               f"{FIELD_SOURCE}: a 1P+1D pair at 64 users, every user above 32 tokens/s"))
+
+
+def measured_point(record: Record, floor: float) -> Point | None:
+    """This box's qualification as a measured point: the qualified step's users, output and
+    median TTFT. None when it found no point, or held a lower floor than the plan's."""
+    if record.state != "done" or record.qualified is None or record.settings.floor < floor:
+        return None
+    step = next((s for s in record.steps if s.concurrency == record.qualified), None)
+    output = step.mean("output_tps") if step else None
+    if step is None or output is None:
+        return None
+    return Point(record.qualified, output, step.mean("ttft_p50"), True, record.settings.floor,
+                 f"measured on this box: qualification #{record.id} "
+                 f"({record.settings.workload.title}, floor {record.settings.floor:g} tokens/s)")
+
+
+def measured_prefill_rate(record: Record) -> float | None:
+    """Prompt tokens/s from the qualification's one-user step (its prompt over its median
+    TTFT: one request alone, no queue); None without one."""
+    step = next((s for s in record.steps if s.concurrency == 1), None)
+    rates = [r.input_tokens / r.requests / r.ttft_p50 for r in (step.rounds if step else ())
+             if r.requests and r.ttft_p50 and r.input_tokens]
+    return sum(rates) / len(rates) if rates else None
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything the plan is computed from (module docstring); frozen, gathered by the
+    caller (appliance.api.cell_plan)."""
+
+    profile: str
+    profile_title: str
+    prompt_tokens: float
+    output_tokens: float
+    floor: float
+    unified_capacity: int
+    prefill_fits: bool
+    prefill_rate: float
+    prefill_rate_basis: str
+    decode_rate: float | None
+    decode_rate_basis: str
+    budget_basis: str
+    measured: Point | None = None  # this box, unified
+    field: FieldPoints | None = None
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One number of the plan, `kind` measured or predicted, and on what (`basis`). `model` is
+    the model's own value beside a measured one (None where it is the value itself or cannot
+    be said); `value` None: cannot be said (e.g. a TTFT that grows without bound)."""
+
+    value: float | None
+    kind: Kind
+    basis: str
+    model: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class MixPlan:
+    """What one mix serves, and what limits it (`limited_by`, in words)."""
+
+    mix: Mix
+    users: Figure
+    output_tps: Figure
+    ttft_seconds: Figure
+    limited_by: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mix": self.mix.label, "boxes": self.mix.boxes,
+                "unified": self.mix.unified, "prefill": self.mix.prefill,
+                "decode": self.mix.decode, "users": self.users.to_dict(),
+                "output_tps": self.output_tps.to_dict(),
+                "ttft_seconds": self.ttft_seconds.to_dict(), "limited_by": self.limited_by}
+
+
+@dataclass(frozen=True)
+class CellPlan:
+    """The plan for one profile: a row per mix, the basis of its predictions and the model's
+    assumptions (the module docstring, short)."""
+
+    inputs: PlanInputs
+    rows: tuple[MixPlan, ...]
+    basis: str
+    assumptions: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        i = self.inputs
+        return {"profile": i.profile, "profile_title": i.profile_title, "floor": i.floor,
+                "prompt_tokens": round(i.prompt_tokens), "output_tokens": round(i.output_tokens),
+                "mixes": [r.to_dict() for r in self.rows], "basis": self.basis,
+                "assumptions": list(self.assumptions)}
+
+
+ASSUMPTIONS = (
+    "every box is like this one, each tuned for its role as the Tuning page recommends",
+    f"boxes are planned to at most {UTILISATION:.0%} busy; the router spreads users evenly",
+    "TTFT queues as at one server with a fixed service time (M/D/1) at the prefill's load",
+    "prefix-cache hits are not counted: with them prefill costs less, so the prefill side is "
+    "a floor",
+    "the KV handover between boxes (RDMA) is taken as free beside the prefill",
+)
+
+
+def plan_cell(inputs: PlanInputs, mixes: Sequence[Mix]) -> CellPlan:
+    """Each mix's figures (module docstring). Invariants: a figure is measured only from a
+    `Point` (this box's or the field's); every predicted figure is the model's."""
+    basis = (f"predicted from the tuning model at the profile's mean request "
+             f"({inputs.prompt_tokens:,.0f} tokens in, {inputs.output_tokens:,.0f} out): a "
+             f"unified or decode box's pools hold {inputs.unified_capacity} of them "
+             f"({inputs.budget_basis}); prefill at {inputs.prefill_rate:,.0f} prompt tokens/s "
+             f"per box ({inputs.prefill_rate_basis}); decode "
+             + (f"at {inputs.decode_rate:,.0f} tokens/s per box ({inputs.decode_rate_basis})"
+                if inputs.decode_rate else f"speed unknown ({inputs.decode_rate_basis})"))
+    return CellPlan(inputs, tuple(_row(inputs, mix) for mix in mixes), basis, ASSUMPTIONS)
+
+
+# --- the model ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Predicted:
+    users: int
+    output_tps: float
+    ttft: float | None
+    limited_by: str
+
+
+def _queued(service: float, rho: float) -> float | None:
+    """M/D/1 mean time in system for a fixed `service` time at utilisation `rho`."""
+    if rho >= 1:
+        return None
+    return service * (1 + rho / (2 * (1 - rho)))
+
+
+def _output(users: int, floor: float, answer: float, ttft: float | None) -> float:
+    if users <= 0:
+        return 0.0
+    wait = ttft if ttft is not None else 0.0
+    return users * floor * answer / (answer + floor * wait)
+
+
+def predict(inputs: PlanInputs, mix: Mix) -> _Predicted:
+    """The model's figures for one mix (module docstring)."""
+    f, prompt, answer = inputs.floor, inputs.prompt_tokens, inputs.output_tokens
+    rate, decode = inputs.prefill_rate, inputs.decode_rate
+    service = prompt / rate
+    prefill_share = f * prompt / (answer * rate)  # of one box's time, per user at the floor
+    decode_share = f / decode if decode else 0.0
+    if mix.unified:
+        by_speed = math.floor(UTILISATION / (prefill_share + decode_share))
+        per_box = min(inputs.unified_capacity, by_speed)
+        limited = ("each box's memory" if inputs.unified_capacity < by_speed
+                   else "each box's time, shared between prefill and decode")
+        busy_decoding = per_box * decode_share
+        ttft = _queued(service / (1 - busy_decoding),
+                       per_box * prefill_share / (1 - busy_decoding))
+        users = per_box * mix.unified
+        return _Predicted(users, _output(users, f, answer, ttft), ttft, limited)
+    if not inputs.prefill_fits:
+        return _Predicted(0, 0.0, None, "a prefill box cannot hold the longest prompt")
+    by_speed = math.floor(decode / f) if decode else inputs.unified_capacity
+    per_decode = min(inputs.unified_capacity, by_speed)
+    decode_side = per_decode * mix.decode
+    prefill_side = math.floor(UTILISATION * mix.prefill / prefill_share)
+    users = min(decode_side, prefill_side)
+    if prefill_side < decode_side:
+        limited = "the prefill boxes (they feed fewer users than the decode boxes hold)"
+    elif decode is None or inputs.unified_capacity < by_speed:
+        limited = "the decode boxes' memory"
+    else:
+        limited = "the decode boxes' speed at the floor"
+    ttft = _queued(service, users * prefill_share / mix.prefill)
+    return _Predicted(users, _output(users, f, answer, ttft), ttft, limited)
+
+
+def _row(inputs: PlanInputs, mix: Mix) -> MixPlan:
+    p = predict(inputs, mix)
+    model = "predicted by the model"
+    users = Figure(float(p.users), "predicted", model)
+    output = Figure(round(p.output_tps, 1), "predicted", model)
+    ttft = Figure(None if p.ttft is None else round(p.ttft, 2), "predicted",
+                  model if p.ttft is not None else "grows without bound: the prefill is "
+                  "saturated")
+    point, scale = _point_for(inputs, mix)
+    if point is not None:
+        measured: Kind = "measured" if scale == 1 else "predicted"
+        source = point.source if scale == 1 else (
+            f"{scale} x the figure of one box ({point.source}): boxes serving alone share "
+            "nothing")
+        if point.floor_held:
+            users = Figure(float(point.users * scale), measured, source, float(p.users))
+        output = Figure(round(point.output_tps * scale, 1), measured, source,
+                        round(p.output_tps, 1))
+        if point.ttft_seconds is not None:
+            ttft = Figure(round(point.ttft_seconds, 2), measured, source, ttft.value)
+    return MixPlan(mix, users, output, ttft, p.limited_by)
+
+
+def _point_for(inputs: PlanInputs, mix: Mix) -> tuple[Point | None, int]:
+    """The measured point a mix's figures come from, and how many boxes it stands for: this
+    box's qualification for unified mixes (scaled by the box count), the field's for one
+    unified box or a 1P+1D pair (at a floor no higher than the field's 32)."""
+    if mix.unified and inputs.measured is not None:
+        return inputs.measured, mix.unified
+    field = inputs.field
+    if field is None or inputs.floor > field.pair.floor:
+        return None, 1
+    if mix == Mix(unified=1):
+        return field.unified, 1
+    if mix == Mix(prefill=1, decode=1):
+        return field.pair, 1
+    return None, 1
+
+
+def decode_rate(measured: Point | None, field: FieldPoints | None) -> tuple[float | None, str]:
+    """Output tokens/s one box sustains while only decoding, at the floor: at least what this
+    box held as a unified box (it also prefilled then), else what the field's decode box
+    held; None when neither is known."""
+    if measured is not None:
+        return (measured.users * measured.floor,
+                f"at least this box's {measured.users} qualified users x "
+                f"{measured.floor:g} tokens/s, held while it also prefilled")
+    if field is not None:
+        pair = field.pair
+        return (pair.users * pair.floor,
+                f"the field's decode box held {pair.users} users above {pair.floor:g} tokens/s "
+                "(issue 17)")
+    return None, "no qualification of this box yet, and no field figure for this model"
+
+
+def prefill_rate(record: Record | None) -> tuple[float, str]:
+    """Prompt tokens/s one box prefills: measured from this box's qualification when it has
+    a one-user step, else the qualification planner's assumption."""
+    measured = measured_prefill_rate(record) if record is not None else None
+    if measured is not None and record is not None:
+        return measured, (f"measured on this box: qualification #{record.id}'s one-user "
+                          "prompt over its time to first token")
+    return PREFILL_GUESS, "assumed, as the qualification planner assumes: not measured here"
