@@ -15,9 +15,11 @@ import argparse
 import asyncio
 import datetime as dt
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import jinja2
 import psutil
 import pytest
 
@@ -45,7 +47,7 @@ from appliance.db.journal import list_events
 from appliance.db.schema import migrate
 from appliance.qualify import ledger, plan
 from appliance.qualify.verdict import Sample, judge, qualified_point, round_of, verdict_words
-from appliance.resources import migrations_dir
+from appliance.resources import migrations_dir, templates_dir
 from appliance.runtime import Runtime, build_runtime
 from appliance.testing.fake_gpus import FakeGpus
 from appliance.tuning.budget import budget_from_log
@@ -60,6 +62,7 @@ from appliance.tuning.roles import (
     request_shape,
     role_target,
 )
+from appliance.ui.templating import filters
 from appliance.weights.ram_plan import (
     HOST_RESERVE_BYTES,
     HostCache,
@@ -290,6 +293,31 @@ def test_the_field_figures_are_measured_elsewhere_and_say_so() -> None:
     mine = Point(8, 300.0, 1.0, True, 32.0, "measured on this box")
     both = plan_cell(inputs(field=FIELD_K3, measured=mine), parse_mixes(()))
     assert {r.mix.label: r for r in both.rows}["1 unified"].output_tps.value == 300.0
+
+
+def render_plan(**context: object) -> str:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(templates_dir()), autoescape=True)
+    env.filters.update(filters())
+    return env.get_template("partials/cell_plan.html").render(**context)
+
+
+def test_the_cell_pages_partial_shows_each_figure_with_its_label_and_basis() -> None:
+    mine = Point(8, 300.0, 1.25, True, 32.0, "measured on this box: qualification #3")
+    html = render_plan(plan=plan_cell(inputs(measured=mine, field=FIELD_K3),
+                                      parse_mixes(["1P+3D"])), plan_problem=None)
+    rows = re.findall(r"<tr><th scope=\"row\">(.*?)</th>(.*?)</tr>", html, re.S)
+    assert [label for label, _ in rows] == ["1 unified", "1P+1D", "1P+2D", "2 unified", "1P+3D"]
+    one = dict(rows)["1 unified"]
+    assert "300" in one and "1.2 s" in one and one.count(">measured<") == 3
+    assert "model:" in one  # the prediction beside the measurement
+    assert ">predicted<" in dict(rows)["1P+2D"] and ">measured<" not in dict(rows)["1P+2D"]
+    assert "Measured:</strong> measured on this box: qualification #3." in html
+    assert "Predicted:</strong> 2 x the figure of one box" in html
+    assert "Predicted:</strong> predicted from the tuning model" in html
+    assert "The model assumes: every box is like this one" in html
+    problem_html = render_plan(plan=None, plan_problem=PlanInputError("no model", "pull it"))
+    assert "The plan cannot be computed yet: no model" in problem_html
+    assert "What to do: pull it" in problem_html
 
 
 # --- on a live daemon -------------------------------------------------------------------------
