@@ -30,6 +30,7 @@ from litestar.template import TemplateConfig
 
 from appliance import __version__
 from appliance.api.cell import cell_router
+from appliance.api.cell_ops import cell_ops_router
 from appliance.api.cell_plan import cell_plan_router
 from appliance.api.engine import engine_router
 from appliance.api.health import health_router
@@ -216,6 +217,7 @@ def create_app(runtime: Runtime, *, debug: bool = False) -> Litestar:
             qualify_router(),
             ops_router(),
             cell_router(),
+            cell_ops_router(),
             cell_plan_router(),
             create_static_files_router(path="/static", directories=[static_dir()],
                                        include_in_schema=False),

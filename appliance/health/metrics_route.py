@@ -27,6 +27,8 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from appliance.cell.cell_metrics import cell_exposition
+from appliance.cell.ops import cell_ops_of
 from appliance.db.models import UsageRequest
 from appliance.health.metrics_out import (
     InputsCollector,
@@ -159,6 +161,8 @@ def metrics_handler(path: str = "/metrics") -> HTTPRouteHandler:
     @get(path, include_in_schema=False, media_type=MEDIA_TYPE)
     async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
         body = await exporter_of(request).render()
+        # A cell head's figures (members, router), after the daemon's own (cell_metrics).
+        body += await cell_exposition(cell_ops_of(request.app.state, runtime_of(request)))
         return Response(body, media_type=MEDIA_TYPE, headers={"Cache-Control": "no-store"})
 
     return metrics
