@@ -18,6 +18,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import jinja2
 import psutil
@@ -32,6 +33,7 @@ from appliance.cell.plan import (
     PlanInputError,
     PlanInputs,
     Point,
+    cache_hit,
     measured_point,
     measured_prefill_rate,
     parse_mix,
@@ -277,22 +279,41 @@ def test_a_qualification_makes_the_unified_figures_measured_and_the_rest_scale_f
     assert rows["1P+1D"].users.kind == "predicted"  # no pair measured on this box
 
 
-def test_the_field_figures_are_measured_elsewhere_and_say_so() -> None:
+def test_the_field_figures_are_cited_beside_the_rows_never_in_them() -> None:
     result = plan_cell(inputs(field=FIELD_K3), parse_mixes(["1P+3D"]))
-    rows = {r.mix.label: r for r in result.rows}
-    pair = rows["1P+1D"]
-    assert pair.output_tps.kind == "measured" and pair.output_tps.value == 1163.0
-    assert pair.users.kind == "measured" and pair.users.value == 64
-    assert "issue 17" in pair.output_tps.basis and "not on this box" in pair.output_tps.basis
-    one = rows["1 unified"]
-    assert one.output_tps.kind == "measured" and one.output_tps.value == 552.0
-    assert one.users.kind == "predicted"  # the field's 64 users did not all hold the floor
-    assert rows["1P+2D"].output_tps.kind == "predicted"
-    stricter = plan_cell(inputs(field=FIELD_K3, floor=40.0), parse_mixes(()))
-    assert all(r.output_tps.kind == "predicted" for r in stricter.rows)
+    for row in result.rows:  # measured elsewhere, on another workload: not this profile's
+        assert all(f.kind == "predicted" for f in (row.users, row.output_tps, row.ttft_seconds))
+    cited = [r.to_dict() for r in result.references]
+    assert [(r["mix"], r["users"], r["output_tps"], r["floor_held"]) for r in cited] == [
+        ("1 unified", 64, 552.0, False), ("1P+1D", 64, 1163.0, True)]
+    assert all(r["kind"] == "measured" and "issue 17" in r["basis"]
+               and "not on this box" in r["basis"] for r in cited)
+    assert plan_cell(inputs(), parse_mixes(())).references == ()
     mine = Point(8, 300.0, 1.0, True, 32.0, "measured on this box")
     both = plan_cell(inputs(field=FIELD_K3, measured=mine), parse_mixes(()))
     assert {r.mix.label: r for r in both.rows}["1 unified"].output_tps.value == 300.0
+
+
+def test_prefix_cache_hits_measured_on_this_box_make_prefill_cheaper() -> None:
+    def record(prompt: int, cached: int) -> SimpleNamespace:
+        return SimpleNamespace(prompt_tokens=prompt, completion_tokens=100,
+                               cached_tokens=cached, started_at=NOW)
+
+    few, basis = cache_hit([record(1000, 900)] * 10)
+    assert few == 0.0 and "10 requests recorded" in basis
+    share, basis = cache_hit([record(1000, 900)] * 60)
+    assert share == pytest.approx(0.9) and "60 requests" in basis
+    assert cache_hit([record(1000, 1000)] * 60)[0] < 1  # never free
+    agent = inputs(prompt_tokens=72_000)
+    cold = {r.mix.label: r for r in plan_cell(agent, parse_mixes(())).rows}
+    warm_inputs = inputs(prompt_tokens=72_000, cache_hit=share, cache_hit_basis=basis)
+    warm_plan = plan_cell(warm_inputs, parse_mixes(()))
+    warm = {r.mix.label: r for r in warm_plan.rows}
+    assert "prefill" in cold["1P+2D"].limited_by  # 72K prompts, none cached: prefill binds
+    assert (warm["1P+2D"].users.value or 0) > 5 * (cold["1P+2D"].users.value or 0)
+    assert (warm["1P+1D"].ttft_seconds.value or 0) < (cold["1P+1D"].ttft_seconds.value or 0)
+    assert "90% of each prompt found in the prefix cache (measured on this box" in \
+        warm_plan.basis
 
 
 def render_plan(**context: object) -> str:
@@ -309,6 +330,7 @@ def test_the_cell_pages_partial_shows_each_figure_with_its_label_and_basis() -> 
     assert [label for label, _ in rows] == ["1 unified", "1P+1D", "1P+2D", "2 unified", "1P+3D"]
     one = dict(rows)["1 unified"]
     assert "300" in one and "1.2 s" in one and one.count(">measured<") == 3
+    assert "Measured elsewhere:</strong> 1P+1D served 1,163 output tokens/s at 64 users" in html
     assert "model:" in one  # the prediction beside the measurement
     assert ">predicted<" in dict(rows)["1P+2D"] and ">measured<" not in dict(rows)["1P+2D"]
     assert "Measured:</strong> measured on this box: qualification #3." in html
@@ -368,11 +390,11 @@ def test_the_plan_route_answers_a_viewer_measured_once_qualified(
         assert body["profile"] == "chat" and body["floor"] == 32
         assert [m["mix"] for m in body["mixes"]] == ["1 unified", "1P+1D", "1P+2D",
                                                      "2 unified"]
-        one = body["mixes"][0]
-        assert one["users"]["kind"] == "predicted"
-        assert one["output_tps"]["kind"] == "measured"  # the field's K3 box, said so
-        assert "issue 17" in one["output_tps"]["basis"]
+        assert all(f["kind"] == "predicted" for m in body["mixes"]
+                   for f in (m["users"], m["output_tps"], m["ttft_seconds"]))
+        assert [r["mix"] for r in body["references"]] == ["1 unified", "1P+1D"]  # K3 on 8
         assert "estimate" in body["basis"]  # no startup measured: the budget says so
+        assert "no prefix-cache hits counted" in body["basis"] and body["cache_hit"] == 0
 
         assert unified_spec_hash(runtime) == runtime.supervisor.current_spec().spec_hash
         qualify_unified(runtime)
@@ -383,6 +405,7 @@ def test_the_plan_route_answers_a_viewer_measured_once_qualified(
         assert rows["1 unified"]["users"] == {**rows["1 unified"]["users"],
                                               "kind": "measured", "value": 4}
         assert rows["1 unified"]["output_tps"]["basis"].startswith("measured on this box")
+        assert "Harsh load, not this profile" in rows["1 unified"]["output_tps"]["basis"]
         assert rows["2 unified"]["users"]["value"] == 8
         assert "1P+3D" in rows and rows["1P+3D"]["decode"] == 3
         assert "qualification #" in again.json()["basis"]  # the prefill rate measured here
@@ -413,8 +436,9 @@ def test_appliance_cell_plan_prints_the_table_with_its_labels(
         table = "\n".join(lines[2:8])
         for mix in ("1 unified", "1P+1D", "1P+2D", "2 unified", "1P+3D"):
             assert f"\n{mix} " in f"\n{table}"
-        assert "(predicted)" in table and "(measured)" in table
-        assert "measured: measured in the field on Kimi K3" in out
+        assert "(predicted)" in table and "(measured)" not in table  # not qualified yet
+        assert "measured elsewhere: 1P+1D: 1,163 output tok/s at 64 users (measured in " \
+            "the field on Kimi K3" in out
         assert "predicted: predicted from the tuning model" in out
         assert "assumptions: every box is like this one" in out
         assert run_plan(parser.parse_args(["plan", "--json"]), config) == 0

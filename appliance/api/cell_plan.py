@@ -7,9 +7,10 @@ qualification judges it). Viewer and up (auth/roles.py).
 
 This module gathers the facts the pure planner (appliance.cell.plan) needs: the tuning
 model's per-role recommendation on this box's pools, this box's qualification ledger (the
-newest finished qualification of this box's spec as a unified box), and whether the field
-figures of issue 17 apply (Kimi K3 on 8 GPUs). `plan_context` gives the Cell page's
-partial (`partials/cell_plan.html`) its variables.
+newest finished qualification of this box's spec as a unified box), whether the field
+figures of issue 17 apply (Kimi K3 on 8 GPUs), and the prefix-cache hit share of the traffic
+the gateway recorded since the engine's latest start (as the Tuning page reads it).
+`plan_context` gives the Cell page's partial (`partials/cell_plan.html`) its variables.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from appliance.cell.plan import (
     FIELD_K3,
     CellPlan,
     PlanInputs,
+    cache_hit,
     check_floor,
     decode_rate,
     measured_point,
@@ -40,6 +42,7 @@ from appliance.qualify.ledger import Record, list_qualifications
 from appliance.qualify.plan import DEFAULT_FLOOR
 from appliance.runtime import Runtime, runtime_of
 from appliance.tuning.roles import request_shape
+from appliance.tuning.service import gateway_records
 
 AdminRequest = Request[Admin, AuthInfo, Any]
 
@@ -66,7 +69,9 @@ async def gather(runtime: Runtime, profile: str | None, floor: float) -> PlanInp
     unified, prefill = sized.recommendations["unified"], sized.recommendations["prefill"]
     records = await runtime.db.run(list_qualifications)
     record = unified_record(records, unified_spec_hash(runtime))
-    point = measured_point(record, floor) if record is not None else None
+    point = measured_point(record, floor, chosen.name) if record is not None else None
+    now = runtime.clock.now()
+    hit, hit_basis = cache_hit(await runtime.db.run(lambda s: gateway_records(s, now)))
     field = FIELD_K3 if (sized.geometry.model_type == "kimi_k3"
                          and sized.launch.tp == 8) else None
     decode, decode_basis = decode_rate(point, field)
@@ -79,7 +84,8 @@ async def gather(runtime: Runtime, profile: str | None, floor: float) -> PlanInp
         output_tokens=answer, floor=floor, unified_capacity=unified.recommended.concurrent,
         prefill_fits=prefill.recommended.concurrent >= 1, prefill_rate=rate,
         prefill_rate_basis=rate_basis, decode_rate=decode, decode_rate_basis=decode_basis,
-        budget_basis=budget, measured=point, field=field)
+        budget_basis=budget, measured=point, field=field, cache_hit=hit,
+        cache_hit_basis=hit_basis)
 
 
 async def cell_plan(runtime: Runtime, *, profile: str | None = None,

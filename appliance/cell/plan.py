@@ -10,12 +10,14 @@ its basis in words:
 - **time to first token** at that concurrency (typical: a qualification's p50, the model's
   mean).
 
-Measured figures come, in this order, from this box's qualification ledger (a finished
-qualification of this box's own spec as a unified box, at a floor at least the plan's:
-figures for "1 unified" only), then from the field points of issue 17 when this box is Kimi
-K3 on 8 GPUs (`FIELD_K3`: one B300x8 box unified, ~552 tokens/s at 64 users; a 1P+1D pair
-1,163 tokens/s at 64 users, every user above 32 tokens/s), each with the model's prediction
-beside it. Everything else is PREDICTED by the model below.
+Measured figures come from this box's qualification ledger: a finished qualification of this
+box's own spec as a unified box, at a floor at least the plan's, gives the "1 unified" row
+(with the model's prediction beside it; "N unified" is then predicted as N times it). The
+field points of issue 17 (`FIELD_K3`: one B300x8 box unified, ~552 tokens/s at 64 users; a
+1P+1D pair 1,163 tokens/s at 64 users, every user above 32 tokens/s) are measured too, but
+elsewhere and on their own workload, so they are cited beside the table (`references`), never
+put in a profile's row; the pair's decode box sets the model's decode speed when this box
+has no qualification. Everything else is PREDICTED by the model below.
 
 The model (its assumptions; what a predicted figure means):
 
@@ -24,7 +26,9 @@ The model (its assumptions; what a predicted figure means):
   box's pools hold at the profile's lengths; a prefill box's pools must hold its few
   requests and the longest prompt, `prefill_fits`).
 - A request is a mean prompt of `prompt_tokens` and a mean answer of `output_tokens` (the
-  profile's lengths split as a qualification splits them).
+  profile's lengths split as a qualification splits them). A share `cache_hit` of the prompt
+  is found in the prefix cache and not prefilled again: this box's gateway records measure it
+  on the traffic it served (0 without them).
 - A box prefills `prefill_rate` prompt tokens/s and, while only decoding, sustains
   `decode_rate` output tokens/s summed over its users at the floor (None: unknown, then only
   memory and prefill limit a box).
@@ -40,9 +44,8 @@ The model (its assumptions; what a predicted figure means):
   `rho`; on a unified box the prefill also runs only in the time decode leaves it.
 - Output tokens/s: each user repeats "wait the TTFT, then stream an answer at the floor", so
   `users * floor * answer / (answer + floor * TTFT)`.
-- Not modelled: prefix-cache hits (an agent's resent transcript is mostly cached, which makes
-  prefill far cheaper than assumed: the prefill side is a floor), speculative decoding's
-  acceptance, a router's imbalance between boxes, network limits.
+- Not modelled: speculative decoding's acceptance, a router's imbalance between boxes (and
+  which prefill box holds a session's cached prefix), network limits.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from typing import Any, Literal
 from appliance.errors import EX_USAGE, ApplianceError
 from appliance.qualify.ledger import Record
 from appliance.qualify.plan import DEFAULT_FLOOR, PREFILL_GUESS
+from appliance.tuning.observed import RequestRecord
 
 DEFAULT_MIXES = ("1U", "1P+1D", "1P+2D", "2U")
 MAX_BOXES = 16   # a custom mix's boxes, all roles together
@@ -151,26 +155,31 @@ class FieldPoints:
     pair: Point  # one prefill and one decode box
 
 
-FIELD_SOURCE = "measured in the field on Kimi K3, 8xB300 per box (issue 17), not on this box"
+FIELD_SOURCE = ("measured in the field on Kimi K3, 8xB300 per box, on its own workload "
+                "(issue 17), not on this box")
 FIELD_K3 = FieldPoints(
     unified=Point(64, 552.0, None, False, DEFAULT_FLOOR,
-                  f"{FIELD_SOURCE}: one box at 64 users, not every user at the floor"),
+                  f"{FIELD_SOURCE}: not every user held the floor"),
     pair=Point(64, 1163.0, None, True, DEFAULT_FLOOR,
-               f"{FIELD_SOURCE}: a 1P+1D pair at 64 users, every user above 32 tokens/s"))
+               f"{FIELD_SOURCE}: every user above 32 tokens/s"))
 
 
-def measured_point(record: Record, floor: float) -> Point | None:
+def measured_point(record: Record, floor: float, profile: str = "") -> Point | None:
     """This box's qualification as a measured point: the qualified step's users, output and
-    median TTFT. None when it found no point, or held a lower floor than the plan's."""
+    median TTFT, its source saying whether it ran `profile`'s workload. None when it found no
+    point, or held a lower floor than the plan's."""
     if record.state != "done" or record.qualified is None or record.settings.floor < floor:
         return None
     step = next((s for s in record.steps if s.concurrency == record.qualified), None)
     output = step.mean("output_tps") if step else None
     if step is None or output is None:
         return None
+    workload = record.settings.workload
+    same = "this profile" if workload.name == f"profile:{profile}" else \
+        f"{workload.title}, not this profile"
     return Point(record.qualified, output, step.mean("ttft_p50"), True, record.settings.floor,
-                 f"measured on this box: qualification #{record.id} "
-                 f"({record.settings.workload.title}, floor {record.settings.floor:g} tokens/s)")
+                 f"measured on this box: qualification #{record.id} ({same}, floor "
+                 f"{record.settings.floor:g} tokens/s)")
 
 
 def measured_prefill_rate(record: Record) -> float | None:
@@ -201,6 +210,8 @@ class PlanInputs:
     budget_basis: str
     measured: Point | None = None  # this box, unified
     field: FieldPoints | None = None
+    cache_hit: float = 0.0  # share of the prompt found in the prefix cache
+    cache_hit_basis: str = "no prefix-cache hits counted: no traffic recorded on this box yet"
 
 
 @dataclass(frozen=True)
@@ -237,12 +248,28 @@ class MixPlan:
 
 
 @dataclass(frozen=True)
+class Reference:
+    """A figure measured elsewhere, cited beside the plan: `mix` at `point`."""
+
+    mix: Mix
+    point: Point
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.point
+        return {"mix": self.mix.label, "kind": "measured", "users": p.users,
+                "output_tps": p.output_tps, "floor_held": p.floor_held, "floor": p.floor,
+                "basis": p.source}
+
+
+@dataclass(frozen=True)
 class CellPlan:
-    """The plan for one profile: a row per mix, the basis of its predictions and the model's
-    assumptions (the module docstring, short)."""
+    """The plan for one profile: a row per mix, the figures measured elsewhere
+    (`references`), the basis of its predictions and the model's assumptions (the module
+    docstring, short)."""
 
     inputs: PlanInputs
     rows: tuple[MixPlan, ...]
+    references: tuple[Reference, ...]
     basis: str
     assumptions: tuple[str, ...]
 
@@ -250,7 +277,9 @@ class CellPlan:
         i = self.inputs
         return {"profile": i.profile, "profile_title": i.profile_title, "floor": i.floor,
                 "prompt_tokens": round(i.prompt_tokens), "output_tokens": round(i.output_tokens),
-                "mixes": [r.to_dict() for r in self.rows], "basis": self.basis,
+                "cache_hit": round(i.cache_hit, 3),
+                "mixes": [r.to_dict() for r in self.rows],
+                "references": [r.to_dict() for r in self.references], "basis": self.basis,
                 "assumptions": list(self.assumptions)}
 
 
@@ -258,23 +287,29 @@ ASSUMPTIONS = (
     "every box is like this one, each tuned for its role as the Tuning page recommends",
     f"boxes are planned to at most {UTILISATION:.0%} busy; the router spreads users evenly",
     "TTFT queues as at one server with a fixed service time (M/D/1) at the prefill's load",
-    "prefix-cache hits are not counted: with them prefill costs less, so the prefill side is "
-    "a floor",
+    "prefix-cache hits cut every box's prefill alike, at the share this box's traffic shows",
     "the KV handover between boxes (RDMA) is taken as free beside the prefill",
 )
 
 
 def plan_cell(inputs: PlanInputs, mixes: Sequence[Mix]) -> CellPlan:
-    """Each mix's figures (module docstring). Invariants: a figure is measured only from a
-    `Point` (this box's or the field's); every predicted figure is the model's."""
+    """Each mix's figures (module docstring). Invariants: a row's figure is measured only
+    from this box's own qualification; every other row figure is the model's; the field's
+    figures are only `references`."""
     basis = (f"predicted from the tuning model at the profile's mean request "
              f"({inputs.prompt_tokens:,.0f} tokens in, {inputs.output_tokens:,.0f} out): a "
              f"unified or decode box's pools hold {inputs.unified_capacity} of them "
-             f"({inputs.budget_basis}); prefill at {inputs.prefill_rate:,.0f} prompt tokens/s "
-             f"per box ({inputs.prefill_rate_basis}); decode "
+             f"({inputs.budget_basis}); {inputs.cache_hit:.0%} of each prompt found in the "
+             f"prefix cache ({inputs.cache_hit_basis}); prefill at "
+             f"{inputs.prefill_rate:,.0f} prompt tokens/s per box ({inputs.prefill_rate_basis});"
+             " decode "
              + (f"at {inputs.decode_rate:,.0f} tokens/s per box ({inputs.decode_rate_basis})"
                 if inputs.decode_rate else f"speed unknown ({inputs.decode_rate_basis})"))
-    return CellPlan(inputs, tuple(_row(inputs, mix) for mix in mixes), basis, ASSUMPTIONS)
+    field = inputs.field
+    references = () if field is None else (Reference(Mix(unified=1), field.unified),
+                                           Reference(Mix(prefill=1, decode=1), field.pair))
+    return CellPlan(inputs, tuple(_row(inputs, mix) for mix in mixes), references, basis,
+                    ASSUMPTIONS)
 
 
 # --- the model ------------------------------------------------------------------------------
@@ -304,7 +339,9 @@ def _output(users: int, floor: float, answer: float, ttft: float | None) -> floa
 
 def predict(inputs: PlanInputs, mix: Mix) -> _Predicted:
     """The model's figures for one mix (module docstring)."""
-    f, prompt, answer = inputs.floor, inputs.prompt_tokens, inputs.output_tokens
+    f, answer = inputs.floor, inputs.output_tokens
+    # What is really prefilled; at least a token, however high the hit share.
+    prompt = max(inputs.prompt_tokens * (1 - inputs.cache_hit), 1.0)
     rate, decode = inputs.prefill_rate, inputs.decode_rate
     service = prompt / rate
     prefill_share = f * prompt / (answer * rate)  # of one box's time, per user at the floor
@@ -344,7 +381,7 @@ def _row(inputs: PlanInputs, mix: Mix) -> MixPlan:
     ttft = Figure(None if p.ttft is None else round(p.ttft, 2), "predicted",
                   model if p.ttft is not None else "grows without bound: the prefill is "
                   "saturated")
-    point, scale = _point_for(inputs, mix)
+    point, scale = (inputs.measured, mix.unified) if mix.unified else (None, 0)
     if point is not None:
         measured: Kind = "measured" if scale == 1 else "predicted"
         source = point.source if scale == 1 else (
@@ -357,22 +394,6 @@ def _row(inputs: PlanInputs, mix: Mix) -> MixPlan:
         if point.ttft_seconds is not None:
             ttft = Figure(round(point.ttft_seconds, 2), measured, source, ttft.value)
     return MixPlan(mix, users, output, ttft, p.limited_by)
-
-
-def _point_for(inputs: PlanInputs, mix: Mix) -> tuple[Point | None, int]:
-    """The measured point a mix's figures come from, and how many boxes it stands for: this
-    box's qualification for unified mixes (scaled by the box count), the field's for one
-    unified box or a 1P+1D pair (at a floor no higher than the field's 32)."""
-    if mix.unified and inputs.measured is not None:
-        return inputs.measured, mix.unified
-    field = inputs.field
-    if field is None or inputs.floor > field.pair.floor:
-        return None, 1
-    if mix == Mix(unified=1):
-        return field.unified, 1
-    if mix == Mix(prefill=1, decode=1):
-        return field.pair, 1
-    return None, 1
 
 
 def decode_rate(measured: Point | None, field: FieldPoints | None) -> tuple[float | None, str]:
@@ -389,6 +410,22 @@ def decode_rate(measured: Point | None, field: FieldPoints | None) -> tuple[floa
                 f"the field's decode box held {pair.users} users above {pair.floor:g} tokens/s "
                 "(issue 17)")
     return None, "no qualification of this box yet, and no field figure for this model"
+
+
+MIN_CACHE_RECORDS = 50  # recorded requests before their hit share is trusted
+MAX_CACHE_HIT = 0.99
+
+
+def cache_hit(records: Sequence[RequestRecord]) -> tuple[float, str]:
+    """The share of prompt tokens the prefix cache served, over the gateway's records of this
+    box's traffic; 0 with fewer than `MIN_CACHE_RECORDS` or no prompt tokens."""
+    prompt = sum(r.prompt_tokens for r in records)
+    if len(records) < MIN_CACHE_RECORDS or prompt <= 0:
+        return 0.0, (f"no prefix-cache hits counted: {len(records)} requests recorded on this "
+                     f"box since its engine started ({MIN_CACHE_RECORDS} give a share)")
+    share = min(sum(r.cached_tokens for r in records) / prompt, MAX_CACHE_HIT)
+    return share, (f"measured on this box's traffic: {len(records):,} requests since its "
+                   "engine started, not this profile's")
 
 
 def prefill_rate(record: Record | None) -> tuple[float, str]:

@@ -66,7 +66,9 @@ def describe_plan(body: dict[str, Any]) -> str:
     sources = sorted({(f["kind"], f["basis"]) for m in body["mixes"]
                       for f in (m["users"], m["output_tps"], m["ttft_seconds"])
                       if f["model"] is not None})
+    cited = [f"measured elsewhere: {r['mix']}: {r['output_tps']:,.0f} output tok/s at "
+             f"{r['users']} users ({r['basis']})" for r in body["references"]]
     lines += ["", *(f"{kind}: {basis}" for kind, basis in sources),
-              f"predicted: {body['basis']}",
+              f"predicted: {body['basis']}", *cited,
               "assumptions: " + "; ".join(body["assumptions"])]
     return "\n".join(lines)
