@@ -335,6 +335,7 @@ class Cell:
     router: RecordingRouter
     engine_port: int
     bootstrap_port: int
+    webhooks: list[dict[str, Any]]  # what the head's alert webhook received
 
 
 @pytest.fixture
@@ -347,9 +348,17 @@ def cell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cell]:
     for name, value in TIMEOUTS.items():
         monkeypatch.setenv(name, value)
     router = RecordingRouter()
+    webhooks: list[dict[str, Any]] = []
+
+    def receiver(request: httpx.Request) -> httpx.Response:
+        webhooks.append(json.loads(request.content))
+        return httpx.Response(204)
+
     head, head_db = start_box(tmp_path, "head", {
-        "APPLIANCE_CELL_ROLE": "decode", "APPLIANCE_ENGINE_PORT": str(free_port())},
-        router=router, cell_poll_seconds=0.2)
+        "APPLIANCE_CELL_ROLE": "decode", "APPLIANCE_ENGINE_PORT": str(free_port()),
+        "APPLIANCE_HEALTH_WEBHOOK_URL": "http://alerts.test/hook"},
+        router=router, cell_poll_seconds=0.2,
+        webhook_transport=httpx.MockTransport(receiver))
     engine_port, bootstrap_port = free_port(), free_port()
     member_box, member_db = start_box(tmp_path, "member", {
         "APPLIANCE_CELL_ROLE": "prefill", "APPLIANCE_ENGINE_PORT": str(engine_port),
@@ -358,7 +367,7 @@ def cell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cell]:
         cell_poll_seconds=0.2)
     member_box.runtime.supervisor.ready_interval = 0.2
     try:
-        yield Cell(head, member_box, router, engine_port, bootstrap_port)
+        yield Cell(head, member_box, router, engine_port, bootstrap_port, webhooks)
     finally:
         runner = member_box.runtime.supervisor.runner
         ident = runner.find()
@@ -450,8 +459,11 @@ def test_the_head_follows_its_member_into_the_router_and_out(cell: Cell) -> None
                           if c.detail["path"] == "/api/v1/cell/peer/engine-key"]) == 2,
              "the head to hand its key over again")
     assert key_path(member_box.runtime.state_dir).read_text().strip() == head_key
-    assert [e.detail["changed"] for e in member_box.audit("cell.peer.engine_key")] == [
-        True, True, True]
+    # Newest first: the head's key again (its running engine has it: no restart), the other
+    # key (the running engine does not: a restart), the first hand-over (no engine yet).
+    assert [(e.detail["changed"], e.detail["restart_needed"])
+            for e in member_box.audit("cell.peer.engine_key")] == [
+        (True, False), (True, True), (True, False)]
 
     # The member's daemon goes away (its engine stays): one event, one audit row, no router
     # restart (the member keeps its place; the router's health checks take it out).
@@ -464,6 +476,9 @@ def test_the_head_follows_its_member_into_the_router_and_out(cell: Cell) -> None
     assert [c.outcome for c in head.audit("cell.call")
             if c.detail["path"] == status_path] == ["failed", "ok"]
     assert router.calls.count("restart") == restarts
+    [hook] = wait_for(lambda: [h for h in cell.webhooks if h["check"] == "cell.member.1"],
+                      "the webhook for the lost member")
+    assert (hook["kind"], hook["level"], hook["summary"]) == ("failure", "critical", lost)
     published = head.runtime.db.call(read_cell_published)
     assert published is not None and published.active and not published.serving
     assert "member 1 (127.0.0.1) does not answer" in published.message
