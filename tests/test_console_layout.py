@@ -30,7 +30,7 @@ from tests.test_units_of_measure import seed_rows
 pytestmark = pytest.mark.browser
 
 PAGES = ("/", "/engine", "/weights", "/tuning", "/qualify", "/usage", "/keys", "/health",
-         "/events", "/audit", "/settings", "/account/password")
+         "/cell", "/events", "/audit", "/settings", "/account/password")
 WIDTHS = {"desktop": (1440, 900), "phone": (390, 844)}
 
 OVERFLOW = """() => {
@@ -104,8 +104,8 @@ def test_on_a_phone_the_navigation_is_one_row(tab: Page, server: LiveServer) -> 
     expect(tab).to_have_url(f"{server.base_url}/")
     nav = tab.get_by_role("navigation", name="main")
     links = nav.get_by_role("link")
-    expect(links).to_have_count(11)
-    tops = {round(box["y"]) for box in (links.nth(i).bounding_box() for i in range(11)) if box}
+    expect(links).to_have_count(12)
+    tops = {round(box["y"]) for box in (links.nth(i).bounding_box() for i in range(12)) if box}
     assert len(tops) == 1, f"the navigation wraps onto {len(tops)} rows"
     nav.get_by_role("link", name="Settings").click()  # the last link is reachable
     expect(tab).to_have_url(f"{server.base_url}/settings")

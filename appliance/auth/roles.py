@@ -129,6 +129,13 @@ ROUTES: Final[dict[Route, Access]] = {
     ("GET", "/keys/{prefix}/row"): V,
     ("GET", "/keys/{prefix}/limits"): A,  # the limits editor's form
     ("POST", "/keys/{prefix}/limits"): A,
+    ("GET", "/cell"): V,  # a head's cell (ui/cell.py)
+    ("GET", "/cell/status"): V,
+    ("GET", "/cell/notice"): V,
+    ("POST", "/cell/members/{member_id}/engine/{action}"): O,
+    ("POST", "/cell/members/{member_id}/role"): A,
+    ("POST", "/cell/rolling-restart"): O,
+    ("POST", "/cell/rolling-restart/cancel"): O,
     # -- admin JSON API ---------------------------------------------------------------------
     ("GET", "/api/v1/status"): V,
     ("GET", "/api/v1/me"): V,

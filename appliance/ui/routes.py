@@ -4,6 +4,15 @@ from __future__ import annotations
 
 from litestar.handlers import BaseRouteHandler
 
+from appliance.ui.cell import (
+    cell_member_engine_ui,
+    cell_member_role_ui,
+    cell_notice_clear,
+    cell_page,
+    cell_rolling_cancel_ui,
+    cell_rolling_ui,
+    cell_status_partial,
+)
 from appliance.ui.engine import (
     engine_action_ui,
     engine_page,
@@ -86,4 +95,6 @@ def ui_handlers() -> list[BaseRouteHandler]:
         health_ui, health_check_ui, health_mute_ui, health_unmute_ui,
         keys_page, keys_create_ui, keys_revoke_ui, keys_row_ui, keys_limits_form,
         keys_limits_ui,
+        cell_page, cell_status_partial, cell_notice_clear, cell_member_engine_ui,
+        cell_member_role_ui, cell_rolling_ui, cell_rolling_cancel_ui,
     ]
