@@ -2,7 +2,12 @@
 
 On a member: `join-token` prints a one-time token (valid an hour) to give the head's admin;
 `leave` revokes every head's credential. On the head: `add ADDRESS TOKEN` joins the member,
-`members` lists them with their status, `remove ID` gives the credential up and forgets it.
+`members` lists them with their status, `remove ID` gives the credential up and forgets it;
+`status` shows the cell (members, router, traffic, a rolling restart), `engine ID ACTION`
+starts, stops or restarts a member's engine, `role ID ROLE` changes a member's role, and
+`rolling-restart ROLE` restarts a role's members one at a time and follows it. Stop, restart,
+a role change of a running engine and a rolling restart first say what they cost and need
+`--yes`.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from appliance.cell.plan_cli import add_plan_parser, run_plan
 from appliance.config import Config
+from appliance.errors import ApplianceError
 
 API = "/api/v1/cell"
 
@@ -39,6 +46,33 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     leave = csub.add_parser("leave", parents=[common],
                             help="on a member: revoke the head's credential (leave the cell)")
     leave.add_argument("--json", action="store_true")
+    status = csub.add_parser("status", parents=[common],
+                             help="on the head: the cell, its members, router and traffic")
+    status.add_argument("--json", action="store_true")
+    engine = csub.add_parser("engine", parents=[common],
+                             help="on the head: start, stop or restart a member's engine")
+    engine.add_argument("id", type=int)
+    engine.add_argument("action", choices=("start", "stop", "restart"))
+    engine.add_argument("--yes", action="store_true",
+                        help="confirm ending a running engine (a start costs ~90 min)")
+    engine.add_argument("--json", action="store_true")
+    role = csub.add_parser("role", parents=[common],
+                           help="on the head: change a member's role (restarts its engine)")
+    role.add_argument("id", type=int)
+    role.add_argument("role", choices=("unified", "prefill", "decode"))
+    role.add_argument("--yes", action="store_true",
+                      help="confirm the restart of its running engine (a start costs ~90 min)")
+    role.add_argument("--json", action="store_true")
+    rolling = csub.add_parser("rolling-restart", parents=[common],
+                              help="on the head: restart a role's members one at a time")
+    rolling.add_argument("role", choices=("prefill", "decode"))
+    rolling.add_argument("--yes", action="store_true",
+                         help="confirm: each restart costs a full engine start on its box")
+    rolling.add_argument("--no-wait", dest="wait", action="store_false",
+                         help="return once it has started; follow it with `appliance cell "
+                              "status`")
+    rolling.add_argument("--json", action="store_true")
+    add_plan_parser(csub, common)  # `cell plan` (appliance.cell.plan_cli)
     router = csub.add_parser("exec-router", parents=[common],
                              help="exec the head's router spec (appliance-router.service)")
     router.add_argument("--spec", type=Path,
@@ -52,6 +86,8 @@ def run(args: argparse.Namespace, config: Config) -> int:
     from appliance.engine.cli import checked, daemon_api
 
     command = args.cell_command
+    if command == "plan":
+        return run_plan(args, config)
     if command == "exec-router":
         from appliance.cell.router import router_spec_path
         from appliance.cell.router_exec import exec_router
@@ -72,6 +108,8 @@ def run(args: argparse.Namespace, config: Config) -> int:
             answer = api.get(f"{API}/members")
             listing = answer.json() if answer.status_code < 400 else checked(answer, "cell_api")
             return _print(args, listing, describe_members)
+        if command in OPS_COMMANDS:
+            return run_ops(args, api)
         if command == "remove":
             body = checked(api.delete(f"{API}/members/{args.id}"), "cell_api")
             return _print(args, body, lambda b: f"member {b['id']} ({b['address']}) removed"
@@ -99,4 +137,100 @@ def describe_members(members: list[dict[str, Any]]) -> str:
         else:
             state = f"{m['status']}: {m.get('error', '')}"
         lines.append(f"{m['id']}\t{m['address']}\t{m['role']}\t{state}")
+    return "\n".join(lines)
+
+
+# --- operating the cell (the head's /api/v1/cell, appliance.api.cell_ops) ---------------------
+
+OPS_COMMANDS = ("status", "engine", "role", "rolling-restart")
+FOLLOW_SECONDS = 5.0
+
+
+def run_ops(args: argparse.Namespace, api: Any) -> int:
+    from appliance.engine.cli import checked
+
+    command = args.cell_command
+    if command == "status":
+        return _print(args, checked(api.get(API), "cell_api"), describe_cell)
+    if command == "engine":
+        body = checked(api.post(f"{API}/members/{args.id}/engine/{args.action}",
+                                json={"confirm": args.yes}), "cell_api")
+        return _print(args, body, lambda b: f"member {b['id']} ({b['address']}): {args.action} "
+                      f"asked; its engine is {b['engine'].get('state', '?').replace('_', ' ')} "
+                      "(follow it with `appliance cell status`)")
+    if command == "role":
+        body = checked(api.post(f"{API}/members/{args.id}/role",
+                                json={"role": args.role, "confirm": args.yes}), "cell_api")
+        return _print(args, body, lambda b: f"member {b['id']} ({b['address']}): {b['message']}")
+    body = checked(api.post(f"{API}/rolling-restart",
+                            json={"role": args.role, "confirm": args.yes}), "cell_api")
+    if args.wait and not args.json:
+        body = _follow_rolling(api, body)
+    return _print(args, body, describe_rolling)
+
+
+def _follow_rolling(api: Any, progress: dict[str, Any]) -> dict[str, Any]:
+    """Print each step as it changes until the rolling restart ends; Ctrl-C (or a failed
+    read) stops following, never the restart."""
+    import sys
+    import time
+
+    from appliance.engine.cli import checked
+
+    shown: set[tuple[str, str]] = set()
+    try:
+        while True:
+            for step in progress["steps"]:
+                key = (step["engine"], step["status"])
+                if key not in shown and step["status"] != "waiting":
+                    shown.add(key)
+                    print(f"{step['label']}: {step['status']}"
+                          + (f" — {step['message']}" if step["message"] else ""), flush=True)
+            if progress["state"] != "running":
+                return progress
+            time.sleep(FOLLOW_SECONDS)
+            current = checked(api.get(API), "cell_api").get("rolling_restart")
+            if current is None:
+                return progress
+            progress = current
+    except (KeyboardInterrupt, ApplianceError, OSError) as exc:
+        why = "" if isinstance(exc, KeyboardInterrupt) else f" ({exc})"
+        print(f"appliance: stopped following{why}; the rolling restart goes on in the daemon "
+              "(`appliance cell status`)", file=sys.stderr)
+        return progress
+
+
+def describe_rolling(progress: dict[str, Any]) -> str:
+    lines = [f"rolling restart of the {progress['role']} members: {progress['state']}"
+             + (f" — {progress['message']}" if progress["message"] else "")]
+    lines += [f"  {s['label']}: {s['status']}" + (f" — {s['message']}" if s["message"] else "")
+              for s in progress["steps"]]
+    lines += [f"  left alone: {why}" for why in progress["skipped"]]
+    return "\n".join(lines)
+
+
+def describe_cell(cell: dict[str, Any]) -> str:
+    if not cell["is_head"]:
+        return ("this box heads no cell (add a member with `appliance cell add ADDRESS TOKEN`; "
+                f"its own role is {cell['head']['role']})")
+    state = "serving" if cell["serving"] else "not serving" if cell["active"] else \
+        "not a prefill/decode cell yet"
+    lines = [f"cell: {state}" + (f" — {cell['message']}" if cell["message"] else "")]
+    if cell["capacity_words"]:
+        lines.append(f"capacity: {cell['capacity_words']}")
+    router = cell["router"]
+    if router is not None:
+        lines.append("router: answering" if router["up"] else
+                     f"router: not answering ({router['error']})")
+    lines += [f"traffic: {line}" for line in cell["traffic_words"]]
+    for m in cell["members"]:
+        engine = (m["engine"]["state"] or "not reported").replace("_", " ")
+        if m["status"] != "ok":
+            engine = f"{m['status']} ({m['error']})"
+        lines.append(f"{m['id']}\t{m['address']}\t{m['role']}\t{engine}\t"
+                     f"health {m['health'] or '?'}" + (f"\t{m['problem']}" if m["problem"] else ""))
+    head = cell["head"]
+    lines.append(f"head\tthis box\t{head['role']}\t{head['engine_state'].replace('_', ' ')}")
+    if cell["rolling_restart"] is not None:
+        lines.append(describe_rolling(cell["rolling_restart"]))
     return "\n".join(lines)
