@@ -31,7 +31,7 @@ from appliance.cell.engine_key import (
     previous_key_path,
 )
 from appliance.cell.local import QuietReads
-from appliance.cell.membership import Member
+from appliance.cell.membership import Member, Seen, add_member, record_seen
 from appliance.cell.published import read_cell_published
 from appliance.cell.router import (
     RouterInputs,
@@ -52,9 +52,11 @@ from appliance.cell.view import (
 )
 from appliance.config import Config
 from appliance.db.database import Database
-from appliance.db.journal import list_events
+from appliance.db.journal import list_audit, list_events
 from appliance.errors import ApplianceError
+from appliance.runtime import build_runtime
 from appliance.secrets import engine_api_key, engine_auth_path
+from appliance.testing.clock import FakeClock
 from appliance.testing.fake_gpus import FakeGpus
 from tests.conftest import free_port, wait_for
 from tests.test_cell_engine import ROUTER_MISSING, TIMEOUTS
@@ -321,6 +323,55 @@ class RecordingRouter:
 
     async def running(self) -> bool:
         return self.up
+
+
+class RefusingRouter(RecordingRouter):
+    """A router that cannot be started (systemctl refused, say)."""
+
+    async def restart(self, spec_path: Path) -> None:
+        self.calls.append("restart")
+        raise ApplianceError("router_unit_failed", "systemctl restart failed: denied",
+                             "see the polkit rule")
+
+
+def test_members_that_do_not_answer_keep_their_place_and_a_failing_router_is_told_once(
+        config: Config, db: Database, clock: FakeClock) -> None:
+    """No server: the watch's poll over two members whose daemons do not answer (their rows
+    hold the engines they reported before) and a router that cannot start."""
+    router = RefusingRouter()
+    runtime = build_runtime(config, clock=clock, db=db, router=router)
+    def register(s: Any) -> None:
+        for n, (role, host) in enumerate((("prefill", "10.0.0.5"), ("decode", "10.0.0.6"))):
+            added = add_member(  # a console address nothing listens on
+                s, runtime.state_dir, address=f"http://127.0.0.1:{free_port()}", role=role,
+                verify_tls=True, credential="acp_" + "0" * 60, prefix=f"{n:08x}",
+                added_by="alice", now=clock.now())
+            record_seen(s, added.id, Seen(f"http://{host}:30000", 8998 if n == 0 else None,
+                                          role, "ready", 64), clock.now())
+
+    db.call(register)
+
+    async def polls() -> list[CellView]:
+        seen = [await runtime.cell.poll_once()]
+        seen.append(await runtime.cell.poll_once())
+        clock.advance(61)  # the retry is due: the same failure is not told again
+        seen.append(await runtime.cell.poll_once())
+        return seen
+
+    views = asyncio.run(polls())
+    first = views[0]
+    assert first.active and not first.serving and not first.router_running
+    assert first.workers == (Worker("decode", "http://10.0.0.6:30000"),
+                             Worker("prefill", "http://10.0.0.5:30000", 8998))
+    assert {m.status for m in first.members} == {"unreachable"}
+    assert router.calls == ["restart", "restart"]
+    events = db.call(lambda s: [e.message for e in list_events(s, source="cell",
+                                                                per_page=50).items])
+    # No member was ever seen ready by this watch: nothing is lost.
+    assert events == ["the cell's router: systemctl restart failed: denied (see the polkit "
+                      "rule)"]
+    calls = db.call(lambda s: list_audit(s, action="cell.call", per_page=50)).items
+    assert sorted(c.outcome for c in calls) == ["failed", "failed"]  # one per member
 
 
 def with_weights(config: Config, db: Database) -> None:

@@ -358,7 +358,7 @@ def build_view(own: EngineFacts, observed: Sequence[Observed], *, router_running
     serving = active and not missing and router_running
     return CellView(at=at, own=own, members=members, workers=workers, active=active,
                     serving=serving, router_running=router_running,
-                    capacity=capacity if serving or active else None, capacity_total=total,
+                    capacity=capacity if active else None, capacity_total=total,
                     message=message, eta_seconds=eta)
 
 

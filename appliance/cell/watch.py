@@ -154,6 +154,7 @@ class CellWatch:
         self._published_read = False
         self._router_may_run = True  # at start: a router left from before is found and judged
         self._restarted_at: float | None = None
+        self._router_failure = ""  # the last failure told, so it is told once
 
     @property
     def state_dir(self) -> Path:
@@ -275,39 +276,40 @@ class CellWatch:
             key_file=engine_key_file(self.state_dir), **extra)
 
     async def _drive_router(self, view: CellView) -> bool:
-        """Bring the router in line with the view; whether it runs now."""
+        """Bring the router in line with the view; whether it runs now. A runner that fails
+        (systemctl refused, a spec the router cannot start from) is one event per distinct
+        failure, and is tried again at the next change or after RESTART_RETRY seconds."""
         path = router_spec_path(self.state_dir)
-        if not view.active:
-            if self._router_may_run:
-                self._router_may_run = False
-                try:
-                    if await self.runner.running():
-                        await self.runner.stop()
-                        await self._event("info", "the cell's router was stopped: "
-                                          + view.message)
-                except ApplianceError as exc:
-                    log.warning("could not stop the cell's router: %s", exc.message)
-            return False
-        self._router_may_run = True
-        spec = build_router_spec(self._inputs(view))
-        written = await asyncio.to_thread(write_router_spec, path, spec)
-        running = await self.runner.running()
-        now = self.clock.monotonic()
-        retry = self._restarted_at is None or now - self._restarted_at >= RESTART_RETRY
-        if written or (not running and retry):
-            self._restarted_at = now
-            roles = [w.role for w in spec.workers]
-            what = (f"{roles.count('prefill')} prefill and {roles.count('decode')} decode "
-                    "engines")
-            try:
-                await self.runner.restart(path)
-            except ApplianceError as exc:
-                await self._event("error", f"the cell's router could not be started over "
-                                  f"{what}: {exc.message} ({exc.hint})")
-            else:
-                await self._event("info", f"the cell's router was "
-                                  f"{'restarted' if running else 'started'} over {what}")
+        try:
+            if not view.active:
+                if self._router_may_run and await self.runner.running():
+                    await self.runner.stop()
+                    await self._event("info", "the cell's router was stopped: " + view.message)
+                self._router_may_run, self._router_failure = False, ""
+                return False
+            self._router_may_run = True
+            spec = build_router_spec(self._inputs(view))
+            written = await asyncio.to_thread(write_router_spec, path, spec)
             running = await self.runner.running()
+            now = self.clock.monotonic()
+            retry = self._restarted_at is None or now - self._restarted_at >= RESTART_RETRY
+            if written or (not running and retry):
+                self._restarted_at = now
+                roles = [w.role for w in spec.workers]
+                await self.runner.restart(path)
+                await self._event("info", f"the cell's router was "
+                                  f"{'restarted' if running else 'started'} over "
+                                  f"{roles.count('prefill')} prefill and "
+                                  f"{roles.count('decode')} decode engines")
+                running = await self.runner.running()
+        except ApplianceError as exc:
+            failure = f"the cell's router: {exc.message} ({exc.hint})"
+            if failure != self._router_failure:
+                await self._event("error", failure)
+            self._router_failure = failure
+            return False
+        if running:
+            self._router_failure = ""
         return running
 
     # --- the gateway's row, events ------------------------------------------------------------
