@@ -49,20 +49,17 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     status = csub.add_parser("status", parents=[common],
                              help="on the head: the cell, its members, router and traffic")
     status.add_argument("--json", action="store_true")
-    engine = csub.add_parser("engine", parents=[common],
-                             help="on the head: start, stop or restart a member's engine")
-    engine.add_argument("id", type=int)
-    engine.add_argument("action", choices=("start", "stop", "restart"))
-    engine.add_argument("--yes", action="store_true",
-                        help="confirm ending a running engine (a start costs ~90 min)")
-    engine.add_argument("--json", action="store_true")
-    role = csub.add_parser("role", parents=[common],
-                           help="on the head: change a member's role (restarts its engine)")
-    role.add_argument("id", type=int)
-    role.add_argument("role", choices=("unified", "prefill", "decode"))
-    role.add_argument("--yes", action="store_true",
-                      help="confirm the restart of its running engine (a start costs ~90 min)")
-    role.add_argument("--json", action="store_true")
+    for name, what, choices, helped in (
+            ("engine", "action", ("start", "stop", "restart"),
+             "start, stop or restart a member's engine"),
+            ("role", "role", ("unified", "prefill", "decode"),
+             "change a member's role (restarts its running engine)")):
+        member = csub.add_parser(name, parents=[common], help=f"on the head: {helped}")
+        member.add_argument("id", type=int)
+        member.add_argument(what, choices=choices)
+        member.add_argument("--yes", action="store_true",
+                            help="confirm ending its running engine (a start costs ~90 min)")
+        member.add_argument("--json", action="store_true")
     rolling = csub.add_parser("rolling-restart", parents=[common],
                               help="on the head: restart a role's members one at a time")
     rolling.add_argument("role", choices=("prefill", "decode"))
