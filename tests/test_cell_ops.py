@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import http.server
 import io
+import json
 import re
 import threading
 from collections.abc import Iterator
@@ -30,7 +32,9 @@ from sqlalchemy.orm import Session
 from appliance.auth.accounts import create_admin
 from appliance.auth.tokens import create_token
 from appliance.cell import cli as cell_cli
+from appliance.cell.membership import Member
 from appliance.cell.ops import cell_ops_of
+from appliance.cell.overview import UsageWindow, build_overview, overview_json, usage_window
 from appliance.cell.role_choice import stored_role
 from appliance.cell.rolling import (
     Engine,
@@ -46,14 +50,17 @@ from appliance.cell.rolling import (
 )
 from appliance.cell.router_metrics import (
     RouterMetricsReader,
+    RouterReading,
     parse_router_metrics,
     rates_between,
     worker_for,
 )
+from appliance.cell.view import EngineFacts, Observed, build_view
 from appliance.cli import build_parser
 from appliance.clock import SystemClock
 from appliance.db.database import Database
 from appliance.db.journal import list_audit
+from appliance.db.models import UsageRequest
 from appliance.db.schema import migrate
 from appliance.errors import ApplianceError
 from appliance.resources import migrations_dir
@@ -685,3 +692,68 @@ def test_the_cli_reads_the_cell_and_asks_for_yes(boxes: tuple[Box, Box]) -> None
         cli(head, "rolling-restart", "decode", "--yes")
     assert refused.value.code == "rolling_restart_refused"
     assert "decode has 0 READY members" in refused.value.message
+
+
+# --------------------------------------------------------------------------- the overview
+
+
+def member_row(member_id: int, role: str, engine_url: str) -> Member:
+    at = dt.datetime(2026, 5, 1, 12, 0, tzinfo=dt.UTC)
+    return Member(member_id, f"http://127.0.0.1:{9000 + member_id}", role, True, "abcd1234", at,
+                  "alice", engine_url=engine_url, reported_role=role, engine_state="ready",
+                  capacity=64, seen_at=at)
+
+
+def answer(role: str, url: str, state: str = "ready") -> dict[str, Any]:
+    return {"role": role, "engine": {"state": state, "url": url, "capacity": 64},
+            "health": {"overall": "ok"}}
+
+
+def test_the_overview_puts_the_routers_view_beside_each_engine() -> None:
+    at = dt.datetime(2026, 5, 1, 12, 5, tzinfo=dt.UTC)
+    observed = [
+        Observed(member_row(1, "prefill", PREFILL), "ok",
+                 answer=answer("prefill", PREFILL)),
+        Observed(member_row(2, "decode", DECODE1), "ok", answer=answer("decode", DECODE1)),
+        Observed(member_row(3, "decode", DECODE2), "unreachable", "no answer within 5 s"),
+    ]
+    view = build_view(EngineFacts(role="unified", state="stopped"), observed,
+                      router_running=True, at=at)
+    router = RouterReading(up=True, scrape=parse_router_metrics(scrape("one_decode_down")))
+    usage = UsageWindow(300.0, 12, 3000, 820.0, 1900.0)
+    overview = build_overview(view, router, usage, None)
+    prefill, decode1, decode2 = overview.members
+    assert prefill.router_line == "healthy, circuit closed, 0 requests running"
+    assert decode1.actions == ("stop", "restart") and decode1.health == "every check passes"
+    assert decode2.router_line == ("taken out by its health checks, circuit closed, "
+                                   "0 requests running")
+    assert decode2.actions == ()  # it does not answer: nothing to offer
+    assert overview.capacity == "1 of 1 prefill engine ready; decode capacity now 64 of 128 " \
+        "running requests"
+    assert overview.head.router_line == "not in the router: a unified box serves alone"
+    assert overview.traffic == (
+        "10.0 tokens/s generated over the last 5 minutes (12 answers)",
+        "First token after 820 ms (median), 1.90 s for the slowest tenth, over the last 5 "
+        "minutes")
+    body = json.loads(json.dumps(overview_json(overview)))
+    assert [m["router"]["healthy"] for m in body["members"]] == [True, True, False]
+    assert body["capacity"] == 64 and body["capacity_total"] == 128
+    assert body["traffic"]["ttft_p90_ms"] == 1900.0
+
+
+def test_the_usage_window_reads_the_gateways_answers(db: Database) -> None:
+    now = dt.datetime(2026, 5, 1, 12, 10, tzinfo=dt.UTC)
+
+    def write(s: Session) -> None:
+        for n, (ttft, outcome, ago) in enumerate([(100.0, "ok", 60), (300.0, "ok", 120),
+                                                  (None, "ok", 30), (50.0, "queue_timeout", 10),
+                                                  (999.0, "ok", 900)]):
+            started = now - dt.timedelta(seconds=ago)
+            s.add(UsageRequest(endpoint="chat", status=200, outcome=outcome,
+                               completion_tokens=10 * (n + 1), started_at=started,
+                               ended_at=started, ttft_ms=ttft))
+
+    db.call(write)
+    window = db.call(lambda s: usage_window(s, now))
+    assert (window.requests, window.completion_tokens) == (3, 10 + 20 + 30)
+    assert (window.ttft_p50_ms, window.ttft_p90_ms) == (300.0, 300.0)
