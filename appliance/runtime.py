@@ -129,6 +129,7 @@ def build_runtime(
     router: RouterRunner | None = None,
     cell_poll_seconds: float = 3.0,
     peer_transport: httpx.AsyncBaseTransport | None = None,
+    router_options: dict[str, Any] | None = None,
 ) -> Runtime:
     clock = clock or SystemClock()
     db = db or Database(config.database_url)
@@ -181,7 +182,8 @@ def build_runtime(
     runtime.cell = CellWatch(
         config=config, db=db, clock=clock, local=LocalEngine(config, supervisor, engine_keys),
         runner=router or router_runner(config), alerts=health.alerts,
-        audit=partial(audit, runtime), interval=cell_poll_seconds, transport=peer_transport)
+        audit=partial(audit, runtime), interval=cell_poll_seconds, transport=peer_transport,
+        router_options=router_options)
     return runtime
 
 

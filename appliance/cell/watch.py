@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any, Final
@@ -136,8 +137,12 @@ class CellWatch:
     def __init__(self, *, config: Config, db: Database, clock: Clock, local: LocalEngine,
                  runner: RouterRunner, alerts: Alerts, audit: Auditor,
                  interval: float = 3.0, idle_interval: float = 30.0,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 router_options: Mapping[str, Any] | None = None) -> None:
         self.config, self.db, self.clock = config, db, clock
+        # RouterInputs fields to set besides the workers (tests and the demo shorten the
+        # router's health-check clock; production keeps RouterInputs' defaults).
+        self.router_options = dict(router_options or {})
         self.local, self.runner, self.alerts = local, runner, alerts
         self.interval, self.idle_interval = interval, idle_interval
         self.client = PeerClient(audit, actor=ACTOR, address="", transport=transport)
@@ -273,7 +278,7 @@ class CellWatch:
             workers=view.workers,
             model_path=model_dir(self.config.paths.models_dir, self.config.engine.model),
             host=cell.router_host, port=cell.router_port,
-            key_file=engine_key_file(self.state_dir), **extra)
+            key_file=engine_key_file(self.state_dir), **extra, **self.router_options)
 
     async def _drive_router(self, view: CellView) -> bool:
         """Bring the router in line with the view; whether it runs now. A runner that fails

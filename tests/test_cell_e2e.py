@@ -1,0 +1,193 @@
+"""The cell end to end (issue 17), on one machine with no GPU: two appliances (their own state
+directories, ports and daemons) in the prefill and decode roles, their engine emulators, the
+REAL `sglang-router` 0.3.2 from PyPI that the head's daemon starts from the spec it writes,
+and the head's gateway. The real `openai` SDK streams chat completions through the gateway,
+the cell's router, the prefill box and the decode box; the gateway's usage rows record them.
+Killing the decode box's engine gives users 503s that say why, and the prefill engine is not
+restarted; the decode box's own supervisor brings its engine back and service returns.
+
+Slow by nature (two daemons, two emulators, the router): one scenario, every wait bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from appliance.cell.published import read_cell_published
+from appliance.config import engine_url
+from appliance.db.database import Database
+from appliance.engine.args import model_dir
+from appliance.testing.fake_gpus import FakeGpus
+from tests.conftest import free_port, wait_for
+from tests.gateway_rig import LiveGateway, make_key
+from tests.test_cell_engine import ROUTER_MISSING, TIMEOUTS
+from tests.test_cell_membership import Box, add, close_box, join_token, start_box
+from tests.test_engine_lifecycle import prove_weights, write_model
+
+pytestmark = pytest.mark.skipif(
+    ROUTER_MISSING, reason="sglang-router is not installed (dev extra: pip install -e "
+    "'.[dev]'); the cell test drives SGLang's own router")
+
+# The router's health clock, shortened so a lost and a returned decode are seen in seconds
+# (production keeps RouterInputs' 10 s interval and thresholds of 3 and 2).
+ROUTER_CLOCK = {"health_interval_secs": 1, "health_failure_threshold": 1,
+                "health_success_threshold": 1, "cb_timeout_secs": 1,
+                "startup_timeout_secs": 60, "request_timeout_secs": 60}
+
+
+@dataclass
+class Cell:
+    head: Box
+    head_db: Database
+    member: Box
+    member_db: Database
+
+
+def with_weights(config: Any, db: Database) -> None:
+    """Proven weights; their tokenizer.json is one the router loads from the head's model
+    directory (appliance.testing.checkpoint)."""
+    write_model(config.paths.models_dir, config.engine.model)
+    prove_weights(config, db)
+
+
+@pytest.fixture
+def cell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cell]:
+    monkeypatch.setenv("FAKE_SGLANG_LOAD_SECONDS", "1")
+    monkeypatch.setenv("FAKE_SGLANG_FAULT", "slow_tokens=0.005")
+    monkeypatch.setenv("FAKE_SGLANG_GPU_STATE", str(tmp_path / "gpus.json"))
+    for name, value in TIMEOUTS.items():
+        monkeypatch.setenv(name, value)
+    common = {"engine_poll_seconds": 0.1, "cell_poll_seconds": 0.2,
+              "gpus": FakeGpus(state_file=tmp_path / "gpus.json")}
+    head, head_db = start_box(tmp_path, "head", {
+        "APPLIANCE_CELL_ROLE": "prefill", "APPLIANCE_ENGINE_PORT": str(free_port()),
+        "APPLIANCE_CELL_BOOTSTRAP_PORT": str(free_port()),
+        "APPLIANCE_CELL_ROUTER_PORT": str(free_port())},
+        prepare=with_weights, router_options=ROUTER_CLOCK, **common)
+    member, member_db = start_box(tmp_path, "member", {
+        "APPLIANCE_CELL_ROLE": "decode", "APPLIANCE_ENGINE_PORT": str(free_port())},
+        prepare=with_weights, engine_backoff_seconds=1.0, **common)
+    for box in (head, member):
+        box.runtime.supervisor.ready_interval = 0.2
+    try:
+        yield Cell(head, head_db, member, member_db)
+    finally:
+        for box in (head, member):  # never leave an engine or the router behind
+            runner = box.runtime.supervisor.runner
+            ident = runner.find()
+            if ident is not None:
+                runner.kill(ident)
+        asyncio.run(head.runtime.cell.runner.stop())
+        close_box(member, member_db)
+        close_box(head, head_db)
+
+
+def engine_state(box: Box) -> str:
+    return str(box.api.get("/api/v1/engine").json()["state"])
+
+
+def start_engine(box: Box) -> None:
+    answer = box.api.post("/api/v1/engine/start", json={})
+    assert answer.status_code == 202, answer.text
+
+
+def serving(box: Box) -> bool:
+    published = box.runtime.db.call(read_cell_published)
+    return published is not None and published.active and published.serving
+
+
+def chat(gateway: LiveGateway, key: str, content: str) -> httpx.Response:
+    return httpx.post(f"{gateway.url}/v1/chat/completions", timeout=30,
+                      headers={"Authorization": f"Bearer {key}"},
+                      json={"model": "kimi-k3", "max_tokens": 4,
+                            "messages": [{"role": "user", "content": content}]})
+
+
+def test_two_boxes_serve_one_endpoint_through_the_real_router(cell: Cell) -> None:
+    import openai
+
+    head, member = cell.head, cell.member
+    added = add(head, member, join_token(member))
+    assert added.status_code == 201, added.text
+    assert added.json()["engine_key"]["handed_over"] is True  # before the member's engine runs
+    start_engine(head)
+    start_engine(member)
+    for box in (head, member):
+        wait_for(lambda box=box: engine_state(box) == "ready", f"{box.name}'s engine READY", 90)
+    wait_for(lambda: serving(head), "the head to publish a serving cell", 60)
+    spec = json.loads((head.runtime.state_dir / "router" / "router-spec.json").read_text())
+    model = str(model_dir(head.runtime.config.paths.models_dir, head.runtime.config.engine.model))
+    assert spec["args"][spec["args"].index("--tokenizer-path") + 1] == model  # never the Hub
+
+    gateway = LiveGateway(head.runtime.config, cell.head_db, engine_url(head.runtime.config))
+    gateway.start()
+    try:
+        body = wait_for(lambda: (lambda b: b if b["admitting"] else None)(
+            httpx.get(f"{gateway.url}/health", timeout=5).json()),
+            "the gateway to admit through the cell", 30)
+        assert body["cell"]["serving"] is True
+        assert body["cell"]["router"] == (
+            f"http://127.0.0.1:{head.runtime.config.cell.router_port}")
+        key = make_key(head.runtime.config, cell.head_db, "cell-user")
+
+        # The real SDK streams through gateway → router → prefill → decode.
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0,
+                               timeout=30)
+
+        def streamed() -> list[str] | None:
+            try:
+                stream = client.chat.completions.create(
+                    model="kimi-k3", max_tokens=6, stream=True,
+                    messages=[{"role": "user", "content": "stream through the cell"}])
+                return [c.choices[0].delta.content for c in stream
+                        if c.choices and c.choices[0].delta.content]
+            except openai.APIStatusError:
+                return None  # the router's first health checks may still be passing
+
+        pieces = wait_for(streamed, "a stream through the cell", 30)
+        assert len(pieces) == 6
+        answer = client.chat.completions.create(
+            model="kimi-k3", max_tokens=3, messages=[{"role": "user", "content": "again"}])
+        assert answer.choices[0].message.content and answer.usage is not None
+        rows = gateway.usage_rows(2)
+        assert [(r[1], r[4]) for r in rows[-2:]] == [("chat", "ok"), ("chat", "ok")]
+        assert rows[-1][6] == 3  # the decode box's completion tokens, as the user was told
+
+        # The decode box's engine dies: users get 503s naming the missing role, at once.
+        head_engine = head.runtime.supervisor.runner.find()
+        assert head_engine is not None
+        runner = member.runtime.supervisor.runner
+        ident = runner.find()
+        assert ident is not None
+        runner.kill(ident)
+
+        def refused() -> httpx.Response | None:
+            reply = chat(gateway, key, "anyone there?")
+            return reply if reply.status_code == 503 and "cell" in reply.text else None
+
+        refusal = wait_for(refused, "the gateway to refuse with the cell's reason", 30)
+        error = refusal.json()["error"]
+        assert error["code"] == "cell_unavailable", error
+        assert "no decode" in error["message"] and "member 1" in error["message"], error
+        assert int(refusal.headers["Retry-After"]) >= 5
+        # Nothing was done to the prefill box: the same engine process serves on.
+        assert head.runtime.supervisor.runner.find() == head_engine
+
+        # The decode box's own supervisor restarts its engine; the cell serves again.
+        wait_for(lambda: engine_state(member) == "ready", "the decode engine back", 90)
+        back = wait_for(lambda: (lambda r: r if r.status_code == 200 else None)(
+            chat(gateway, key, "back again")), "service through the cell again", 60)
+        assert back.json()["choices"][0]["message"]["content"]
+        assert head.runtime.supervisor.runner.find() == head_engine
+        outcomes = [r[4] for r in gateway.usage_rows(4)]
+        assert "cell_unavailable" in outcomes and outcomes[-1] == "ok"
+    finally:
+        gateway.stop()
