@@ -4,7 +4,9 @@ REAL `sglang-router` 0.3.2 from PyPI that the head's daemon starts from the spec
 and the head's gateway. The real `openai` SDK streams chat completions through the gateway,
 the cell's router, the prefill box and the decode box; the gateway's usage rows record them.
 Killing the decode box's engine gives users 503s that say why, and the prefill engine is not
-restarted; the decode box's own supervisor brings its engine back and service returns.
+restarted; the decode box's own supervisor brings its engine back and service returns. A
+second decode box joins, and a rolling restart of the decode role restarts both, one at a
+time, while a user's requests keep being served.
 
 Slow by nature (two daemons, two emulators, the router): one scenario, every wait bounded.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
+from appliance.cell.ops import cell_ops_of
 from appliance.cell.published import read_cell_published
 from appliance.config import engine_url
 from appliance.db.database import Database
@@ -49,6 +53,8 @@ class Cell:
     head_db: Database
     member: Box
     member_db: Database
+    second: Box  # a second decode box, joined later
+    second_db: Database
 
 
 def with_weights(config: Any, db: Database) -> None:
@@ -62,30 +68,36 @@ def with_weights(config: Any, db: Database) -> None:
 def cell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cell]:
     monkeypatch.setenv("FAKE_SGLANG_LOAD_SECONDS", "1")
     monkeypatch.setenv("FAKE_SGLANG_FAULT", "slow_tokens=0.005")
-    monkeypatch.setenv("FAKE_SGLANG_GPU_STATE", str(tmp_path / "gpus.json"))
+    # No shared pretend-GPU file: each box's preflight would see the other boxes' engines on
+    # "its" GPUs as processes it did not start, and refuse to launch.
+    monkeypatch.delenv("FAKE_SGLANG_GPU_STATE", raising=False)
     for name, value in TIMEOUTS.items():
         monkeypatch.setenv(name, value)
-    common = {"engine_poll_seconds": 0.1, "cell_poll_seconds": 0.2,
-              "gpus": FakeGpus(state_file=tmp_path / "gpus.json")}
+    common = {"engine_poll_seconds": 0.1, "cell_poll_seconds": 0.2}
     head, head_db = start_box(tmp_path, "head", {
         "APPLIANCE_CELL_ROLE": "prefill", "APPLIANCE_ENGINE_PORT": str(free_port()),
         "APPLIANCE_CELL_BOOTSTRAP_PORT": str(free_port()),
         "APPLIANCE_CELL_ROUTER_PORT": str(free_port())},
-        prepare=with_weights, router_options=ROUTER_CLOCK, **common)
+        prepare=with_weights, router_options=ROUTER_CLOCK, gpus=FakeGpus(), **common)
     member, member_db = start_box(tmp_path, "member", {
         "APPLIANCE_CELL_ROLE": "decode", "APPLIANCE_ENGINE_PORT": str(free_port())},
-        prepare=with_weights, engine_backoff_seconds=1.0, **common)
-    for box in (head, member):
+        prepare=with_weights, engine_backoff_seconds=1.0, gpus=FakeGpus(), **common)
+    second, second_db = start_box(tmp_path, "second", {
+        "APPLIANCE_CELL_ROLE": "decode", "APPLIANCE_ENGINE_PORT": str(free_port())},
+        prepare=with_weights, gpus=FakeGpus(), **common)
+    boxes = (head, member, second)
+    for box in boxes:
         box.runtime.supervisor.ready_interval = 0.2
     try:
-        yield Cell(head, head_db, member, member_db)
+        yield Cell(head, head_db, member, member_db, second, second_db)
     finally:
-        for box in (head, member):  # never leave an engine or the router behind
+        for box in boxes:  # never leave an engine or the router behind
             runner = box.runtime.supervisor.runner
             ident = runner.find()
             if ident is not None:
                 runner.kill(ident)
         asyncio.run(head.runtime.cell.runner.stop())
+        close_box(second, second_db)
         close_box(member, member_db)
         close_box(head, head_db)
 
@@ -187,7 +199,58 @@ def test_two_boxes_serve_one_endpoint_through_the_real_router(cell: Cell) -> Non
             chat(gateway, key, "back again")), "service through the cell again", 60)
         assert back.json()["choices"][0]["message"]["content"]
         assert head.runtime.supervisor.runner.find() == head_engine
-        outcomes = [r[4] for r in gateway.usage_rows(4)]
-        assert "cell_unavailable" in outcomes and outcomes[-1] == "ok"
+        outcomes = wait_for(lambda: (lambda o: o if o[-1] == "ok" else None)(
+            [r[4] for r in gateway.usage_rows(4)]), "the usage row of the answer", 15)
+        assert "cell_unavailable" in outcomes  # the refusals are recorded as such
+
+        rolling_restart_keeps_serving(cell, gateway, key)
     finally:
         gateway.stop()
+
+
+def rolling_restart_keeps_serving(cell: Cell, gateway: LiveGateway, key: str) -> None:
+    """A second decode box joins; a rolling restart of the decode role restarts both engines,
+    one at a time, while one user's requests keep going through the gateway: none fails."""
+    head, second = cell.head, cell.second
+    assert add(head, second, join_token(second)).status_code == 201
+    start_engine(second)
+    wait_for(lambda: engine_state(second) == "ready", "the second decode engine READY", 90)
+    first_capacity = head.runtime.cell.view.capacity if head.runtime.cell.view else None
+
+    def both_serving() -> bool:
+        view = head.runtime.cell.view
+        return (view is not None and view.serving and first_capacity is not None
+                and view.capacity == 2 * first_capacity)
+    wait_for(both_serving, "the head to admit up to both decode boxes' capacity", 30)
+    ops = cell_ops_of(head.server.server.config.app.state, head.runtime)
+    ops.rolling_poll_seconds, ops.rolling_deadline_seconds = 0.2, 90.0
+    runs = {box.name: box.api.get("/api/v1/engine").json()["run_id"]
+            for box in (cell.member, second)}
+
+    codes: list[int] = []
+    stop = threading.Event()
+
+    def user() -> None:  # one user, one request after another, for the whole restart
+        for i in range(2000):
+            if stop.is_set():
+                return
+            codes.append(chat(gateway, key, f"still there {i}?").status_code)
+
+    worker = threading.Thread(target=user, daemon=True)
+    worker.start()
+    try:
+        started = head.api.post("/api/v1/cell/rolling-restart",
+                                json={"role": "decode", "confirm": True})
+        assert started.status_code == 202, started.text
+
+        def ended() -> dict[str, Any] | None:
+            rolling = head.api.get("/api/v1/cell").json()["rolling_restart"]
+            return rolling if rolling and rolling["state"] != "running" else None
+        rolling = wait_for(ended, "the rolling restart to end", 120)
+    finally:
+        stop.set()
+        worker.join(60)
+    assert rolling["state"] == "done", rolling
+    for box in (cell.member, second):  # each decode engine was restarted: a new run
+        assert box.api.get("/api/v1/engine").json()["run_id"] != runs[box.name]
+    assert len(codes) > 10 and set(codes) == {200}, codes
