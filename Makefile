@@ -1,9 +1,10 @@
-# The two commands of the README: `make demo` and `make test`. Everything else is a helper.
+# The two commands of the README: `make demo` and `make test`. Everything else is a helper
+# (`make demo-cell` shows a cell of three boxes on this machine).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test lint typecheck unit clean bundle
+.PHONY: demo demo-cell test lint typecheck unit clean bundle
 
 $(BIN)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11 or newer is needed (found " + sys.version.split()[0] + "); set PYTHON=python3.11")'
@@ -15,6 +16,10 @@ $(BIN)/.installed: pyproject.toml
 ## demo: run the control plane on http://127.0.0.1:8080 with a dev state dir in ./.appliance/
 demo: $(BIN)/.installed
 	$(BIN)/python -m appliance.testing.demo
+
+## demo-cell: a cell of three boxes here (a prefill head on :8080, two decode members on :8081, :8082; the real sglang-router), state in ./.appliance-cell/
+demo-cell: $(BIN)/.installed
+	$(BIN)/python -m appliance.testing.demo_cell
 
 ## test: everything CI checks (ruff, mypy strict, pytest with browser and database tests)
 test: lint typecheck unit
@@ -33,4 +38,4 @@ bundle:
 	installer/build-bundle.sh --python $(PYTHON)
 
 clean:
-	rm -rf $(VENV) .appliance .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .appliance .appliance-cell .mypy_cache .ruff_cache .pytest_cache
