@@ -108,6 +108,9 @@ def write_checkpoint(directory: Path, *, shards: int = 4, shard_bytes: int = 1 <
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     (directory / "generation_config.json").write_text('{"max_new_tokens": 4096}\n')
     (directory / "tokenizer_config.json").write_text('{"model_max_length": 262144}\n')
+    # one Hugging Face's `tokenizers` loads (merges included): a cell's router reads it from
+    # the local model path
     (directory / "tokenizer.json").write_text(json.dumps(
-        {"version": "1.0", "model": {"type": "BPE", "vocab": {"<s>": 0, "</s>": 1}}}))
+        {"version": "1.0", "model": {"type": "BPE", "vocab": {"<s>": 0, "</s>": 1},
+                                     "merges": []}}))
     return sorted(p for p in directory.iterdir() if p.is_file())

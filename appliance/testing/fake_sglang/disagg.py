@@ -138,6 +138,17 @@ class Handover:
         self.warned: set[str] = set()
         self.server: uvicorn.Server | None = None
         self.serving: asyncio.Task[None] | None = None
+        self._client: httpx.AsyncClient | None = None
+
+    def client(self) -> httpx.AsyncClient:
+        """The decode's one client to prefills' bootstrap servers: building one per request
+        loads the CA bundle each time (tens of ms of CPU), which would show as the
+        handover's own latency. No limit on connections: every request's fetch waits on
+        the prefill at once, as one per request did."""
+        if self._client is None:
+            self._client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None,
+                                                                 max_keepalive_connections=64))
+        return self._client
 
     def warn_once(self, text: str) -> None:
         if text not in self.warned:
@@ -201,8 +212,7 @@ class Handover:
         started = time.monotonic()
         url = f"http://{boot.addr}{KV_PATH}{boot.room}?timeout={self.waiting_timeout}"
         try:
-            async with httpx.AsyncClient(timeout=self.waiting_timeout + 10) as client:
-                answer = await client.get(url)
+            answer = await self.client().get(url, timeout=self.waiting_timeout + 10)
         except httpx.HTTPError:
             self.prefill_info.pop(boot.addr, None)
             self.log.line(f"Lost connection with prefill instance (bootstrap_addr: {boot.addr}), "
@@ -232,8 +242,7 @@ class Handover:
         url = (f"http://{boot.addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&"
                "target_tp_rank=-1&target_pp_rank=-1")
         try:
-            async with httpx.AsyncClient(timeout=5) as client:
-                answer = await client.get(url)
+            answer = await self.client().get(url, timeout=5)
             if answer.status_code != 200:
                 self.log.line(f"Failed to get prefill server info: {answer.status_code}, "
                               f"{answer.text}", 0)
@@ -296,6 +305,8 @@ class Handover:
                           f"('{host}', {port}): address already in use")
 
     async def stop(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
         if self.server is not None and self.serving is not None:
             self.server.should_exit = True
             with contextlib.suppress(asyncio.CancelledError, SystemExit):
