@@ -30,8 +30,11 @@ lint: $(BIN)/.installed
 typecheck: $(BIN)/.installed
 	$(BIN)/mypy
 
+# Two workers (CI's machine has two cores, and most tests wait on real processes), one test
+# file each at a time so a file's module fixtures stay in one process; WORKERS=0 runs serially.
+WORKERS ?= 2
 unit: $(BIN)/.installed
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 
 ## bundle: the offline install tarball in dist/ (with the wheelhouse; build it on a box like the target)
 bundle:
