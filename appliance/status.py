@@ -16,8 +16,9 @@ import anyio.to_thread
 import psutil
 
 from appliance.auth.bootstrap import bootstrap_file
+from appliance.cell.published import read_cell_published
 from appliance.db.schema import schema_state
-from appliance.gateway.qualified import admission_limit, point_of
+from appliance.gateway.qualified import admission_limit, cell_limit, point_of
 from appliance.ops.backup import read_status
 from appliance.ops.schedule import last_backup_line
 from appliance.qualify.ledger import qualification_for
@@ -41,8 +42,10 @@ class VolumeUsage:
 class AdmissionStanding:
     """How many users the gateway lets into the engine at once, and on what ground.
 
-    `qualified`: None while no engine runs, else whether the running spec has a qualified
-    point (the gateway admits at it); `words` say it, as the gateway's `/health` does."""
+    `qualified`: None while no engine runs or the box heads a cell (whose gateway admits up
+    to the decode members' capacity, not at this engine's qualified point), else whether the
+    running spec has a qualified point (the gateway admits at it); `words` say it, as the
+    gateway's `/health` does."""
 
     qualified: bool | None
     words: str
@@ -50,6 +53,13 @@ class AdmissionStanding:
 
 
 def _admission(runtime: Runtime) -> AdmissionStanding:
+    cell = runtime.db.call(read_cell_published)
+    if cell is not None and cell.active:  # the head of a cell admits as its gateway does
+        if not cell.serving:
+            return AdmissionStanding(None, "the cell is not serving, so the gateway admits "
+                                     f"nobody: {cell.message}")
+        limit = cell_limit(cell.capacity, override=runtime.config.gateway.max_concurrency)
+        return AdmissionStanding(None, limit.words())
     spec = runtime.supervisor.running_spec_hash
     if spec is None:
         return AdmissionStanding(None, "no engine is running, so the gateway admits nobody")

@@ -309,6 +309,22 @@ def test_with_no_engine_the_standing_says_so(runtime: Runtime) -> None:
         None, "no engine is running, so the gateway admits nobody")
 
 
+def test_the_head_of_a_cell_says_the_cells_admission_not_its_engines(runtime: Runtime) -> None:
+    from tests.gateway_rig import publish_cell
+
+    router = "http://127.0.0.1:30100"
+    publish_cell(runtime.db, router, serving=False,
+                 message="no decode member is ready: member 2 (10.0.0.6) is loading")
+    standing = _admission(runtime)
+    assert standing.qualified is None and standing.words == (
+        "the cell is not serving, so the gateway admits nobody: no decode member is ready: "
+        "member 2 (10.0.0.6) is loading")
+    publish_cell(runtime.db, router, capacity=128)
+    assert "128" in _admission(runtime).words and "cell" in _admission(runtime).words
+    publish_cell(runtime.db, router, active=False)  # no cell: the engine's own standing again
+    assert _admission(runtime).words == "no engine is running, so the gateway admits nobody"
+
+
 def test_the_tuning_page_compares_the_split_before_and_after(db: Database) -> None:
     from appliance.qualify.compare import measured
 
