@@ -232,6 +232,25 @@ def test_a_free_port_is_free(tmp_path: Path) -> None:
     assert facts.port_free and facts.port_holder is None and facts.port_error is None
 
 
+def test_a_cell_box_binds_its_listen_address_and_one_it_lacks_is_named(tmp_path: Path) -> None:
+    import dataclasses
+
+    from appliance.config import CellConfig
+
+    def at(address: str) -> Config:
+        return dataclasses.replace(config_for(tmp_path, free_port()),
+                                   cell=CellConfig(role="decode", listen_address=address))
+
+    facts = gather_facts(at("127.0.0.2"), FakeGpus())  # another loopback address: bindable
+    assert facts.engine_host == "127.0.0.2" and facts.port_free
+    # TEST-NET-1 (RFC 5737) is never an address of this box: the bind fails, and says where.
+    facts = gather_facts(at("192.0.2.7"), FakeGpus())
+    assert not facts.port_free and facts.port_error is not None
+    check = failed(evaluate(facts, CONFIG), "engine_port")
+    assert f"on 192.0.2.7: {facts.port_error}" in check.message
+    assert "cell.listen_address" in check.hint
+
+
 def test_model_directory_cases(tmp_path: Path) -> None:
     config = config_for(tmp_path, free_port(), model="org/name")
     where = model_dir(config)

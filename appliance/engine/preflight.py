@@ -23,7 +23,7 @@ from typing import Literal
 
 import psutil
 
-from appliance.config import Config
+from appliance.config import Config, engine_host
 from appliance.gpu.port import GpuPort, GpuSnapshot, snapshot_with_timeout
 from appliance.sizes import GIB, bytes_text, gib_text
 from appliance.volumes import disk_space
@@ -86,6 +86,7 @@ class PreflightFacts:
     shm_free_bytes: int | None
     weights_detail: str = ""  # the weights service's sentence and next step
     weights_hint: str = ""
+    engine_host: str = "127.0.0.1"  # the address the engine binds (cell.listen_address)
 
 
 def model_dir(config: Config) -> Path:
@@ -212,18 +213,21 @@ def _memory_check(facts: PreflightFacts) -> Check:
 
 
 def _port_check(facts: PreflightFacts) -> Check:
-    port = facts.engine_port
+    port, host = facts.engine_port, facts.engine_host
     if facts.port_error is not None:
+        hint = "choose another engine.port (1024 or above) and start again"
+        if host != "127.0.0.1":
+            hint += (f", or check that {host} (cell.listen_address) is an address of this "
+                     "box (`ip -brief address`)")
         return Check("engine_port", False, "error",
-                     f"cannot bind the engine port {port} on 127.0.0.1: {facts.port_error}",
-                     "choose another engine.port (1024 or above) and start again")
+                     f"cannot bind the engine port {port} on {host}: {facts.port_error}", hint)
     if facts.port_free:
-        return Check("engine_port", True, "error", f"port {port} on 127.0.0.1 is free")
+        return Check("engine_port", True, "error", f"port {port} on {host} is free")
     holder = facts.port_holder
     if holder is None or holder.pid is None:
         return Check(
             "engine_port", False, "error",
-            f"port {port} on 127.0.0.1 is taken by a process this user cannot see",
+            f"port {port} on {host} is taken by a process this user cannot see",
             f"find it with `sudo ss -ltnp 'sport = :{port}'`, stop it, or set engine.port to a "
             "free port; the appliance never stops processes it did not start")
     who = f"pid {holder.pid}" + (f" ({holder.name})" if holder.name else "")
@@ -235,7 +239,7 @@ def _port_check(facts: PreflightFacts) -> Check:
             "wait for it to stop (or stop it from the console) before starting another")
     return Check(
         "engine_port", False, "error",
-        f"port {port} on 127.0.0.1 is held by {who}, which this appliance did not start{shown}",
+        f"port {port} on {host} is held by {who}, which this appliance did not start{shown}",
         f"stop that process (e.g. `kill {holder.pid}` as its owner) or set engine.port to a free "
         "port; the appliance never stops processes it did not start")
 
@@ -320,14 +324,15 @@ def gather_facts(
     """Look at the box. Blocks (NVML up to `gpu_timeout_s`, a psutil scan of sockets when
     the port is taken): run it in a thread. Reads only; never raises for what it finds."""
     directory = model_dir(config)
-    port = config.engine.port
-    free, holder, port_error = _probe_port(port)
+    port, host = config.engine.port, engine_host(config)
+    free, holder, port_error = _probe_port(host, port)
     exists, has_config, shards = _model_files(directory)
     shm_free, shm_total = disk_space(shm_path, nearest_parent=False) or (None, None)
     return PreflightFacts(
         gpus=snapshot_with_timeout(gpus, gpu_timeout_s),
         own_pids=_with_children(own_pids),
         engine_port=port,
+        engine_host=host,
         port_free=free,
         port_holder=holder,
         port_error=port_error,
@@ -365,16 +370,19 @@ def _with_children(pids: Collection[int]) -> frozenset[int]:
     return frozenset(found)
 
 
-def _probe_port(port: int) -> tuple[bool, PortHolder | None, str | None]:
-    """(free, holder, other error): try to bind 127.0.0.1:port as the engine will.
+def _probe_port(host: str, port: int) -> tuple[bool, PortHolder | None, str | None]:
+    """(free, holder, other error): try to bind host:port as the engine will (127.0.0.1, or
+    a cell's box's cell.listen_address, which may be IPv6; an address the box does not have
+    is the "other error").
 
     SO_REUSEADDR as uvicorn sets it, so a connection of a previous engine lingering in
-    TIME_WAIT does not count as "taken"; a listener (on 127.0.0.1 or on any address) does.
+    TIME_WAIT does not count as "taken"; a listener (on the address or on any) does.
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind(("127.0.0.1", port))
+            sock.bind((host.strip("[]"), port))
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE:
                 return False, None, exc.strerror or str(exc)
