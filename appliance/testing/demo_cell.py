@@ -344,6 +344,9 @@ def run(options: Options) -> int:
         moved.append(f"the router's metrics {METRICS_PORT} → {metrics_port} (the Cell page "
                      "reads the router's figures only on 29000)")
     children: dict[str, Child] = {}
+    # Ctrl-C and SIGTERM stop everything, even where the launcher ignored SIGINT (a
+    # background job of a script): the engines and the router would be left otherwise.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _raise_stop)
     started = time.monotonic()
     try:
