@@ -41,7 +41,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -141,7 +141,10 @@ def api_call(box: Box, command: str, method: str, path: str,
         return checked(answer, "demo_cell")
 
 
-def wait_daemons(children: dict[str, Child], layout: Layout) -> None:
+def wait_daemons(children: dict[str, Child], layout: Layout, up: set[str]) -> None:
+    """Until each box's daemon answers /healthz, its name then added to `up` (only those are
+    stopped and cleaned up after: a daemon that exited at once may have found another demo
+    on the same folder, whose engines are not ours to stop)."""
     deadline = time.monotonic() + UP_SECONDS
     waiting = list(layout.boxes)
     while waiting:
@@ -154,7 +157,7 @@ def wait_daemons(children: dict[str, Child], layout: Layout) -> None:
                 f"fix what it says, or delete {layout.root} to start over")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{box.url}/healthz", timeout=2).status_code == 200:
-                waiting.pop(0)
+                up.add(waiting.pop(0).name)
                 continue
         if time.monotonic() > deadline:
             raise ApplianceError("demo_cell_daemon", f"{box.name}'s daemon did not answer at "
@@ -191,13 +194,11 @@ def start_engines(layout: Layout) -> None:
                 api_call(box, "engine start", "POST", "/api/v1/engine/start", {})
 
 
-def stop_engines(layout: Layout, running: Callable[[Box], bool]) -> None:
-    """Stop each engine through its daemon (the run ends as a stop, not a crash) and wait,
-    bounded, until each says stopped."""
+def stop_engines(boxes: Sequence[Box]) -> None:
+    """Stop each box's engine through its daemon (the run ends as a stop, not a crash) and
+    wait, bounded, until each says stopped."""
     asked = []
-    for box in layout.boxes:
-        if not running(box):
-            continue
+    for box in boxes:
         with contextlib.suppress(ApplianceError, httpx.HTTPError):
             state = api_call(box, "engine status", "GET", "/api/v1/engine")["state"]
             if state != "stopped":
@@ -212,11 +213,11 @@ def stop_engines(layout: Layout, running: Callable[[Box], bool]) -> None:
         time.sleep(0.3)
 
 
-def end_leftovers(layout: Layout) -> list[str]:
-    """After the daemons: any engine still running (its daemon died, or did not stop it in
-    time) and the head's router. Returns what had to be ended this way."""
+def end_leftovers(layout: Layout, boxes: Sequence[Box]) -> list[str]:
+    """After the daemons: any engine of `boxes` still running (its daemon died, or did not
+    stop it in time) and the head's router. Returns what had to be ended this way."""
     ended = []
-    for box in layout.boxes:
+    for box in boxes:
         runner = ProcessRunner(box.state_dir)
         ident = runner.find()
         if ident is None:
@@ -228,7 +229,8 @@ def end_leftovers(layout: Layout) -> list[str]:
             time.sleep(0.1)
         runner.kill(ident)
         ended.append(f"{box.name}'s engine (pid {ident.pid})")
-    asyncio.run(ProcessRouterRunner(layout.head.state_dir, grace=10).stop())
+    if layout.head in boxes:
+        asyncio.run(ProcessRouterRunner(layout.head.state_dir, grace=10).stop())
     reap_orphans()
     return ended
 
@@ -344,6 +346,7 @@ def run(options: Options) -> int:
         moved.append(f"the router's metrics {METRICS_PORT} → {metrics_port} (the Cell page "
                      "reads the router's figures only on 29000)")
     children: dict[str, Child] = {}
+    up: set[str] = set()  # the boxes whose daemon answered
     # Ctrl-C and SIGTERM stop everything, even where the launcher ignored SIGINT (a
     # background job of a script): the engines and the router would be left otherwise.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -355,7 +358,7 @@ def run(options: Options) -> int:
                     "--root", str(layout.root), "--router-metrics-port", str(metrics_port)]
             children[box.name] = start_child(box.name, argv + ["--fast"] * options.smoke,
                                              box.directory / "daemon.log", env)
-        wait_daemons(children, layout)
+        wait_daemons(children, layout, up)
         for line in join_members(layout):
             print(f"demo-cell: {line}", flush=True)
         start_engines(layout)
@@ -380,7 +383,7 @@ def run(options: Options) -> int:
     finally:
         signal.signal(signal.SIGINT, _patience)
         signal.signal(signal.SIGTERM, _patience)
-        print(shut_down(layout, children), flush=True)
+        print(shut_down(layout, children, up), flush=True)
 
 
 def watch(layout: Layout, children: dict[str, Child], started: float) -> int:
@@ -454,24 +457,24 @@ def what_is_missing(layout: Layout) -> str:
     return "; ".join(said)
 
 
-def shut_down(layout: Layout, children: dict[str, Child]) -> str:
+def shut_down(layout: Layout, children: dict[str, Child], up: set[str]) -> str:
     """Everything the demo started, in order: users and gateway, the engines through their
     daemons, the daemons, then whatever is left (the router; an engine a daemon did not
     stop). What was stopped, in words."""
     for name in ("traffic", "gateway"):
         if name in children:
             stop_child(children[name])
+    ours = [box for box in layout.boxes if box.name in up]
+    stop_engines([box for box in ours if children[box.name].process.poll() is None])
     daemons = [children[b.name] for b in layout.boxes if b.name in children]
-    stop_engines(layout, lambda box: children[box.name].process.poll() is None
-                 if box.name in children else False)
     for child in daemons:  # all at once, then each waited for
         if child.process.poll() is None:
             child.process.terminate()
     for child in daemons:
         stop_child(child)
-    forced = end_leftovers(layout)
-    said = ("demo-cell stopped: the pretend users, the gateway, the three engines, the daemons "
-            "and the cell's router have ended; nothing is left running.")
+    forced = end_leftovers(layout, ours)
+    said = ("demo-cell stopped: everything it started has ended (the pretend users, the "
+            "gateway, the engines, the daemons and the cell's router); nothing is left running.")
     if forced:
         said += f" (Ended without their daemon: {', '.join(forced)}.)"
     return (f"{said}\nThe state stays in {layout.root}: the members stay joined, and the next "

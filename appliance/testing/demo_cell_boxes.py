@@ -204,7 +204,9 @@ def prepare_box(layout: Layout, box: Box) -> Login:
         box.config_path.write_text(box_toml(layout, box))
     if cli_main(["--dev", "--config", str(box.config_path), "migrate"]) != 0:
         raise ApplianceError("demo_cell_migrate", f"{box.name}'s database did not migrate",
-                             f"see the lines above; delete {layout.root} to start over")
+                             "see the lines above (a demo-cell already running on this "
+                             f"folder must be stopped first); or delete {layout.root} to "
+                             "start over")
     config = box_config(box)
     db = Database(config.database_url)
     now = dt.datetime.now(dt.UTC)
