@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from appliance.config import engine_url
 from appliance.db.database import Database
 from appliance.engine.args import model_dir
 from appliance.testing.fake_gpus import FakeGpus
-from tests.conftest import free_port, wait_for
+from tests.conftest import Console, free_port, wait_for
 from tests.gateway_rig import LiveGateway, make_key
 from tests.test_cell_engine import ROUTER_MISSING, TIMEOUTS
 from tests.test_cell_membership import Box, add, close_box, join_token, start_box
@@ -134,7 +135,13 @@ def test_two_boxes_serve_one_endpoint_through_the_real_router(cell: Cell) -> Non
     start_engine(member)
     for box in (head, member):
         wait_for(lambda box=box: engine_state(box) == "ready", f"{box.name}'s engine READY", 90)
-    wait_for(lambda: serving(head), "the head to publish a serving cell", 60)
+    try:
+        wait_for(lambda: serving(head), "the head to publish a serving cell", 60)
+    except BaseException:
+        view = head.runtime.cell.view
+        log = head.runtime.state_dir / "router" / "router.log"
+        pytest.fail(f"the cell never served: {view.message if view else 'no view'}; router "
+                    f"log: {log.read_text()[:4000] if log.exists() else 'none'}")
     spec = json.loads((head.runtime.state_dir / "router" / "router-spec.json").read_text())
     model = str(model_dir(head.runtime.config.paths.models_dir, head.runtime.config.engine.model))
     assert spec["args"][spec["args"].index("--tokenizer-path") + 1] == model  # never the Hub
@@ -169,6 +176,15 @@ def test_two_boxes_serve_one_endpoint_through_the_real_router(cell: Cell) -> Non
         answer = client.chat.completions.create(
             model="kimi-k3", max_tokens=3, messages=[{"role": "user", "content": "again"}])
         assert answer.choices[0].message.content and answer.usage is not None
+        # The head's dashboard says the cell serves, and through which boxes, in words.
+        console = Console(head.url)
+        try:
+            assert console.login().status_code == 303
+            dashboard = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", console.http.get("/").text))
+        finally:
+            console.close()
+        assert "Cell serving" in dashboard and "1 member besides this box" in dashboard
+        assert "The Cell page →" in dashboard
         rows = gateway.usage_rows(2)
         assert [(r[1], r[4]) for r in rows[-2:]] == [("chat", "ok"), ("chat", "ok")]
         assert rows[-1][6] == 3  # the decode box's completion tokens, as the user was told

@@ -21,6 +21,7 @@ from appliance.auth.guards import PasswordChangeRequired, password_current
 from appliance.auth.middleware import client_address
 from appliance.auth.token_actions import issue_token, withdraw_token
 from appliance.auth.tokens import list_tokens
+from appliance.cell.overview import Overview
 from appliance.config import describe
 from appliance.db.journal import SEVERITIES, list_audit, list_events
 from appliance.errors import ApplianceError
@@ -66,13 +67,25 @@ async def dashboard(request: AdminRequest) -> Template:
     board = await load_board(runtime, hour=True)
     health = health_dashboard(board.snapshot, board.mutes, board.series, board.now)
     why = await engine_why(runtime)
+    cell = await cell_summary(request, runtime)
     if _htmx(request):
-        return Template("partials/dashboard_status.html",
-                        context={"status": status, "health": health, "engine_why": why})
+        return Template("partials/dashboard_status.html", context={
+            "status": status, "health": health, "engine_why": why, "cell": cell})
     events = await runtime.db.run(lambda s: list_events(s, per_page=8))
     return Template("pages/dashboard.html", context={
         "status": status, "health": health, "events": events.items, "nav": "dashboard",
-        "engine_why": why})
+        "engine_why": why, "cell": cell})
+
+
+async def cell_summary(request: AdminRequest, runtime: Runtime) -> Overview | None:
+    """The cell as the head's Cell page shows it (serving, capacity left, the router's
+    traffic), for the dashboard of a box that heads one; None on a box that does not."""
+    from appliance.cell.ops import cell_ops_of
+
+    watch = runtime.cell
+    if watch.view is None or not (watch.view.members or watch.view.active):
+        return None
+    return await cell_ops_of(request.app.state, runtime).overview()
 
 
 async def engine_why(runtime: Runtime) -> str:
