@@ -544,3 +544,38 @@ def test_the_head_follows_its_member_into_the_router_and_out(cell: Cell) -> None
     wait_for(gone, "the head to publish that it heads no cell")
     assert router.calls[-1] == "stop"
     assert os.path.exists(router_spec_path(head.runtime.state_dir))  # kept: the last spec
+
+
+def test_a_router_that_dies_is_started_again_in_seconds_then_less_often(
+        config: Config, db: Database, clock: FakeClock) -> None:
+    """A router found down is started 5 s after its last start, then after 10 s, 20 s …
+    while each start dies again; once one keeps running, the next death is met in 5 s."""
+    router = RecordingRouter()
+    runtime = build_runtime(config, clock=clock, db=db, router=router)
+
+    def register(s: Any) -> None:
+        for n, role in enumerate(("prefill", "decode")):
+            added = add_member(
+                s, runtime.state_dir, address=f"http://127.0.0.1:{free_port()}", role=role,
+                verify_tls=True, credential="acp_" + "0" * 60, prefix=f"{n:08x}",
+                added_by="alice", now=clock.now())
+            record_seen(s, added.id, Seen(f"http://10.0.0.{5 + n}:30000",
+                                          8998 if n == 0 else None, role, "ready", 64),
+                        clock.now())
+
+    db.call(register)
+
+    def starts_after(die: bool, seconds: float) -> int:
+        if die:
+            router.up = False
+        clock.advance(seconds)
+        asyncio.run(runtime.cell.poll_once())
+        return router.calls.count("restart")
+
+    assert starts_after(False, 0) == 1  # the spec was written: started
+    assert starts_after(True, 4) == 1  # died: not again before 5 s
+    assert starts_after(False, 1) == 2
+    assert starts_after(True, 9) == 2  # died again: 10 s now
+    assert starts_after(False, 1) == 3
+    assert starts_after(False, 0) == 3  # it keeps running: all is forgiven
+    assert starts_after(True, 5) == 4

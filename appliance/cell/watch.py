@@ -13,8 +13,11 @@ once after a member is added or removed: `poke`), one poll:
    seconds at most while the member still reports another);
 3. builds the `CellView` (appliance.cell.view) from the head's own engine and the members;
 4. writes the router's spec from the view's workers and restarts the router (RouterRunner)
-   when the spec changed, or when the router is down (at most every `RESTART_RETRY`
-   seconds); a cell that is no longer active (members removed, roles unified) stops it;
+   when the spec changed, or when the router is down: 5 s after it was last started, then
+   twice as long after each start that did not keep it running, up to `RESTART_RETRY`
+   seconds (a router that died once is back in seconds; one that cannot start is not
+   restarted every poll); a cell that is no longer active (members removed, roles unified)
+   stops it;
 5. publishes the cell's state for the gateway (`cell_status`, written only when it
    changed; a box that never headed a cell writes nothing);
 6. records one event, and sends one webhook, when a member that was ready is lost
@@ -86,6 +89,7 @@ STATUS_PATH: Final = "/api/v1/cell/peer/status"
 KEY_PATH: Final = "/api/v1/cell/peer/engine-key"
 PUSH_RETRY: Final = 60.0
 RESTART_RETRY: Final = 60.0
+RESTART_FIRST: Final = 5.0  # the first wait before a router found down is started again
 # A member that revoked this head answers every read with a refusal it audits: ask it again
 # only this often (the head's admin removes it, or it joins again with a new token).
 REVOKED_RETRY: Final = 600.0
@@ -159,6 +163,7 @@ class CellWatch:
         self._published_read = False
         self._router_may_run = True  # at start: a router left from before is found and judged
         self._restarted_at: float | None = None
+        self._failed_starts = 0  # starts in a row after which the router was found down
         self._router_failure = ""  # the last failure told, so it is told once
 
     @property
@@ -297,7 +302,12 @@ class CellWatch:
             written = await asyncio.to_thread(write_router_spec, path, spec)
             running = await self.runner.running()
             now = self.clock.monotonic()
-            retry = self._restarted_at is None or now - self._restarted_at >= RESTART_RETRY
+            if running:
+                self._failed_starts = 0
+            wait = min(RESTART_RETRY, RESTART_FIRST * 2 ** self._failed_starts)
+            retry = self._restarted_at is None or now - self._restarted_at >= wait
+            if not running and retry and self._restarted_at is not None:
+                self._failed_starts += 1  # started before, and down again
             if written or (not running and retry):
                 self._restarted_at = now
                 roles = [w.role for w in spec.workers]
