@@ -191,12 +191,14 @@ async def one_stream(client: httpx.AsyncClient, url: str, body: dict[str, object
 
 
 async def run_cell(url: str, users: int, requests: int, tokens: int, token_seconds: float,
-                   deadline: float, quickack: bool) -> tuple[list[Stream], bool]:
+                   deadline: float, quickack: bool,
+                   fresh: bool = False) -> tuple[list[Stream], bool]:
     """`users` paced users against `url`; (every measured stream, whether the deadline cut
-    the cell short)."""
+    the cell short). `fresh`: a new connection for every request (no keep-alive)."""
     if time.monotonic() > deadline:
         return [], True
-    limits = httpx.Limits(max_connections=users, max_keepalive_connections=users)
+    limits = httpx.Limits(max_connections=users,
+                          max_keepalive_connections=0 if fresh else users)
     timeout = httpx.Timeout(REQUEST_TIMEOUT, connect=10.0)
     streams: list[Stream] = []
     cut = False
@@ -430,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quickack", action="store_true",
                         help="the client acknowledges every read at once (TCP_QUICKACK): "
                              "takes out the stall of a server that waits for acknowledgements")
+    parser.add_argument("--fresh-connections", action="store_true",
+                        help="a new connection for every request (no keep-alive): the "
+                             "stall does not happen on a connection's first request")
     parser.add_argument("--deadline", type=float, default=600.0,
                         help="seconds from the start after which no new request starts "
                              "(default 600)")
@@ -448,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
           f"sglang-router {version('sglang-router')}, httpx {httpx.__version__}")
     print(f"users {','.join(map(str, args.users))} x {args.requests_per_user} paced streams of "
           f"{args.tokens} tokens at {args.token_ms:g} ms a token; paths "
-          f"{', '.join(args.paths)}; client {'TCP_QUICKACK' if args.quickack else 'plain'}; "
+          f"{', '.join(args.paths)}; client {'TCP_QUICKACK' if args.quickack else 'plain'}"
+          f"{', a new connection per request' if args.fresh_connections else ''}; "
           f"work in {work}")
     started = time.monotonic()
     results: dict[tuple[int, str], Figures] = {}
@@ -462,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
                     child.check_alive()
                 streams, cut = asyncio.run(run_cell(
                     urls[path], users, args.requests_per_user, args.tokens, token_seconds,
-                    deadline, args.quickack))
+                    deadline, args.quickack, args.fresh_connections))
                 results[users, path] = figures(streams, cut)
                 print(f"  {users:>3} users, {path:<6}: {len(streams)} streams "
                       f"({time.monotonic() - started:.0f} s)", flush=True)

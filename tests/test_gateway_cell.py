@@ -9,6 +9,7 @@ OpenAI-compatible upstream stands in for it. The real `sglang-router` is tried e
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 from collections.abc import Iterator
 from pathlib import Path
@@ -239,3 +240,47 @@ def test_while_the_cell_does_not_serve_users_get_its_reason_and_eta(
     db.call(lambda s: write_qualifying(s, None))
     live.wait_admitting()
     assert live.usage_rows(3)[-3][4] == "cell_unavailable"
+
+
+def test_a_request_to_the_router_goes_on_a_fresh_connection_and_the_engines_on_a_kept_one(
+) -> None:
+    """sglang-router 0.3.2 holds a stream's first token for the client's delayed
+    acknowledgement on a kept-alive connection (+30 ms, benchmarks/cell_latency.py): the
+    gateway asks for a connection of its own per request to the router, and keeps its
+    engine connections alive as ever."""
+    from aiohttp import web
+
+    from appliance.gateway.upstream import Upstream
+
+    seen: list[tuple[str, int]] = []  # (the Connection header, the client's port)
+
+    async def record(request: web.Request) -> web.Response:
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        seen.append((request.headers.get("Connection", ""), peer[1] if peer else 0))
+        return web.json_response({})
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", record)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        engine, router = web.TCPSite(runner, "127.0.0.1", 0), web.TCPSite(runner, "127.0.0.1", 0)
+        await engine.start()
+        await router.start()
+        urls = [f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+                for site in (engine, router)]
+        upstream = Upstream(urls[0], read_timeout=10)
+        await upstream.start()
+        try:
+            for base in (None, None, urls[1], urls[1]):
+                async with upstream.request("POST", "/v1/chat/completions", b"{}", {},
+                                            base) as response:
+                    await response.read()
+        finally:
+            await upstream.close()
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+    assert [header.lower() for header, _ in seen] == ["", "", "close", "close"]
+    assert seen[0][1] == seen[1][1]  # the engine's connection was kept and used again
+    assert seen[2][1] != seen[3][1]  # each request to the router: a connection of its own

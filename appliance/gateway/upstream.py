@@ -51,7 +51,16 @@ class Upstream:
     def request(self, method: str, path: str, body: bytes | None,
                 headers: dict[str, str], base_url: str | None = None) -> Any:
         """An aiohttp request context (`async with upstream.request(...) as response`), to
-        the local engine unless `base_url` names another upstream."""
+        the local engine unless `base_url` names another upstream (a cell's router).
+
+        A request to the router goes on a connection of its own (`Connection: close`):
+        sglang-router 0.3.2 holds a stream's first token until the client acknowledges the
+        one before it, and on a kept-alive connection Linux delays that acknowledgement by
+        up to 40 ms. Measured on loopback (benchmarks/cell_latency.py, 1 and 8 users): +29 to
+        +32 ms of time to first token through the router on kept-alive connections, -1.9 to
+        +0.2 ms on fresh ones; a loopback connection costs far less than that."""
+        if base_url is not None and base_url != self.base_url:
+            headers = {**headers, "Connection": "close"}
         return self.session.request(method, (base_url or self.base_url) + path, data=body,
                                     headers=headers, allow_redirects=False)
 
