@@ -177,7 +177,9 @@ def test_the_gateway_holds_a_prompt_the_engines_kv_pool_cannot_take(
         live.publish("ready", "serving")
         live.wait_admitting()
         key = live.key()
-        filler = " ".join(["word"] * 200)  # ~200 tokens each in the engine
+        # ~100 tokens each in the engine: whenever the gateway reads the pool, the third
+        # still fits its share (with 200 it could be held while two ran: 2 of 3 ran together)
+        filler = " ".join(["word"] * 100)
 
         async def scenario() -> list[int]:
             async with httpx.AsyncClient(timeout=60) as client:
@@ -194,7 +196,8 @@ def test_the_gateway_holds_a_prompt_the_engines_kv_pool_cannot_take(
                     if emulator_stats(engine)["running"] == 3:
                         break
                     await asyncio.sleep(0.05)
-                assert emulator_stats(engine)["running"] == 3, "the three fillers never ran"
+                assert emulator_stats(engine)["running"] == 3, (
+                    f"the three fillers never ran together: {emulator_stats(engine)}")
                 seen = parts.kv_readings
                 for _ in range(600):
                     if parts.kv_readings >= seen + 2:
