@@ -500,6 +500,8 @@ class CellConfig:
     router_host: str = _key("127.0.0.1", _router_host, "on the head: the address SGLang's "
                             "router listens on (the gateway reaches it there)")
     router_port: int = _key(30100, _port, "on the head: the port SGLang's router listens on")
+    router_metrics_port: int = _key(29000, _port, "on the head: the loopback port the router's "
+                                    "Prometheus metrics listen on (the Cell page reads them)")
 
 
 def engine_host(config: Config) -> str:
@@ -833,6 +835,11 @@ def _cross_check_cell(config: Config) -> None:
         raise ConfigError(config.source, "cell.router_port",
                           f"{cell.router_port}, already the engine's, console's or gateway's "
                           "port", "a port of its own (30100 by default)")
+    if cell.router_metrics_port in (config.engine.port, config.server.port, config.gateway.port,
+                                    cell.router_port):
+        raise ConfigError(config.source, "cell.router_metrics_port",
+                          f"{cell.router_metrics_port}, already the engine's, console's, "
+                          "gateway's or router's port", "a port of its own (29000 by default)")
 
 
 def _cross_check_sso(config: Config) -> None:

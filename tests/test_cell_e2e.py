@@ -78,7 +78,8 @@ def cell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cell]:
     head, head_db = start_box(tmp_path, "head", {
         "APPLIANCE_CELL_ROLE": "prefill", "APPLIANCE_ENGINE_PORT": str(free_port()),
         "APPLIANCE_CELL_BOOTSTRAP_PORT": str(free_port()),
-        "APPLIANCE_CELL_ROUTER_PORT": str(free_port())},
+        "APPLIANCE_CELL_ROUTER_PORT": str(free_port()),
+        "APPLIANCE_CELL_ROUTER_METRICS_PORT": str(free_port())},
         prepare=with_weights, router_options=ROUTER_CLOCK, gpus=FakeGpus(), **common)
     member, member_db = start_box(tmp_path, "member", {
         "APPLIANCE_CELL_ROLE": "decode", "APPLIANCE_ENGINE_PORT": str(free_port())},

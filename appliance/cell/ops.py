@@ -91,7 +91,8 @@ def _set_role(session: Any, member_id: int, role: str) -> None:
 class CellOps:
     def __init__(self, runtime: Runtime, *, router: RouterMetricsReader | None = None) -> None:
         self.runtime = runtime
-        self.router = router or RouterMetricsReader()
+        self.router = router or RouterMetricsReader(
+            f"http://127.0.0.1:{runtime.config.cell.router_metrics_port}/metrics")
         self.rolling_deadline_seconds = DEFAULT_DEADLINE_SECONDS
         self.rolling_poll_seconds = DEFAULT_POLL_SECONDS
         self._rolling: RollingRestart | None = None

@@ -283,7 +283,8 @@ class CellWatch:
             workers=view.workers,
             model_path=model_dir(self.config.paths.models_dir, self.config.engine.model),
             host=cell.router_host, port=cell.router_port,
-            key_file=engine_key_file(self.state_dir), **extra, **self.router_options)
+            key_file=engine_key_file(self.state_dir),
+            **{"metrics_port": cell.router_metrics_port, **extra, **self.router_options})
 
     async def _drive_router(self, view: CellView) -> bool:
         """Bring the router in line with the view; whether it runs now. A runner that fails

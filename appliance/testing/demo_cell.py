@@ -343,8 +343,7 @@ def run(options: Options) -> int:
     env = child_env(options)
     metrics_port = METRICS_PORT if port_free(METRICS_PORT) and not options.smoke else free_port()
     if metrics_port != METRICS_PORT and not options.smoke:
-        moved.append(f"the router's metrics {METRICS_PORT} → {metrics_port} (the Cell page "
-                     "reads the router's figures only on 29000)")
+        moved.append(f"the router's metrics {METRICS_PORT} → {metrics_port}")
     children: dict[str, Child] = {}
     up: set[str] = set()  # the boxes whose daemon answered
     # Ctrl-C and SIGTERM stop everything, even where the launcher ignored SIGINT (a

@@ -12,6 +12,7 @@ ROOT/NAME/appliance.toml ...` from any directory.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -269,7 +270,8 @@ def run_box(root: Path, name: str, *, fast: bool, metrics_port: int | None) -> i
     gpu_state = config.paths.state_dir / "fake-gpus.json"
     os.environ["FAKE_SGLANG_GPU_STATE"] = str(gpu_state)
     router: dict[str, Any] = dict(FAST_ROUTER) if fast else {}
-    if metrics_port is not None:
-        router["metrics_port"] = metrics_port
+    if metrics_port is not None:  # the router's and the Cell page's (cell.router_metrics_port)
+        config = dataclasses.replace(config, cell=dataclasses.replace(
+            config.cell, router_metrics_port=metrics_port))
     polls: dict[str, Any] = dict(FAST_POLLS) if fast else {}
     return serve(config, gpus=FakeGpus(state_file=gpu_state), router_options=router, **polls)
