@@ -68,6 +68,7 @@ def test_cell_values_load_from_file_and_environment(tmp_path: Path) -> None:
     ('listen_address = "box-2.cell"', "cell.listen_address"),
     ('router_host = "localhost"', "cell.router_host"),
     ("router_port = 30000", "cell.router_port"),
+    ("router_metrics_port = 30100", "cell.router_metrics_port"),  # the router's own port
 ])
 def test_bad_cell_values_name_their_key(tmp_path: Path, body: str, key: str) -> None:
     path = tmp_path / "appliance.toml"
