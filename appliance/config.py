@@ -490,8 +490,9 @@ class CellConfig:
                           "the backend picks")
     bootstrap_port: int = _key(8998, _port, "--disaggregation-bootstrap-port: the prefill's "
                                "bootstrap server (SGLang's default 8998)")
-    hierarchical_cache: bool = _key(False, doc="prefill only: --enable-hierarchical-cache "
-                                    "(prefix KV also kept in host DRAM)")
+    hierarchical_cache: bool = _key(False, doc="--enable-hierarchical-cache (prefix KV also "
+                                    "kept in host DRAM) while the box is a prefill, as "
+                                    "configured or as its head chose")
     hicache_ratio: float = _key(0.0, _ratio_or_unset, "--hicache-ratio (host pool : GPU pool); "
                                 "0: SGLang sizes it to fit host memory")
     listen_address: str = _key("", _listen_address, "the engine's --host: this box's IP on the "
@@ -822,10 +823,6 @@ def _cross_check(config: Config) -> None:
 
 def _cross_check_cell(config: Config) -> None:
     cell = config.cell
-    if cell.hierarchical_cache and cell.role != "prefill":
-        raise ConfigError(config.source, "cell.hierarchical_cache", f"true while cell.role is "
-                          f"{cell.role}", "false, or cell.role = \"prefill\" (the member that "
-                          "keeps long prefixes; docs/configuration.md, [cell])")
     if cell.role == "prefill" and cell.bootstrap_port in (config.engine.port, config.server.port,
                                                            config.gateway.port):
         raise ConfigError(config.source, "cell.bootstrap_port",

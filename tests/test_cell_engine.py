@@ -58,12 +58,22 @@ def test_cell_values_load_from_file_and_environment(tmp_path: Path) -> None:
     assert config.cell == CellConfig("prefill", "nixl", "mlx5_0,mlx5_1", 9100, True, 1.5)
 
 
+def test_a_host_cache_is_used_while_the_box_is_a_prefill_whoever_made_it_one(
+        tmp_path: Path) -> None:
+    path = tmp_path / "appliance.toml"
+    path.write_text('[cell]\nrole = "decode"\nhierarchical_cache = true\nhicache_ratio = 4.0\n')
+    config = load_config(path, env={}, check_dirs=False)  # not refused: the head may choose
+    assert "--enable-hierarchical-cache" not in spec_for(config)
+    inputs = dataclasses.replace(inputs_from_config(config, role="prefill"), engine_auth=None)
+    argv = build_launch_spec(SGLANG, inputs).serve_args()
+    assert argv[argv.index("--hicache-ratio") + 1] == "4.0"
+    assert "--enable-hierarchical-cache" in argv
+
+
 @pytest.mark.parametrize(("body", "key"), [
     ('role = "both"', "cell.role"),
     ('transfer_backend = "tcp"', "cell.transfer_backend"),
     ("hicache_ratio = -1", "cell.hicache_ratio"),
-    ('role = "decode"\nhierarchical_cache = true', "cell.hierarchical_cache"),
-    ("hierarchical_cache = true", "cell.hierarchical_cache"),
     ('role = "prefill"\nbootstrap_port = 30000', "cell.bootstrap_port"),
     ('listen_address = "box-2.cell"', "cell.listen_address"),
     ('router_host = "localhost"', "cell.router_host"),
