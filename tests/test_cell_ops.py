@@ -442,6 +442,24 @@ def test_a_member_changes_its_role_when_confirmed_and_its_supervisor_restarts_th
             [restart] = [e for e in audit_entries(runtime, "engine.restart")]
             assert restart.detail["via"] == "api:token"
 
+            # In a maintenance window: the role is kept now, the restart scheduled then; a
+            # window in the past is refused and keeps nothing.
+            running = engine_now(api)["run_id"]
+            past = api.post("/api/v1/cell/peer/role",
+                            json={"role": "prefill", "at": "2020-01-01T00:00:00Z"})
+            problem(past, 422, "schedule_in_past")
+            assert stored_role(runtime.state_dir) == "decode"
+            window = dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+            later = api.post("/api/v1/cell/peer/role",
+                             json={"role": "prefill", "at": window.isoformat()})
+            assert later.status_code == 200, later.text
+            assert (later.json()["changed"], later.json()["restarted"]) == (True, False)
+            assert "maintenance window" in later.json()["message"]
+            assert stored_role(runtime.state_dir) == "prefill"
+            [pending] = api.get("/api/v1/engine/scheduled").json()
+            assert (pending["command"], pending["status"]) == ("restart", "pending")
+            assert engine_now(api)["run_id"] == running  # nothing restarted now
+
             # A stopped engine takes the role at its next start: nothing to confirm.
             stop = api.post("/api/v1/engine/stop", json={"confirm": True})
             assert stop.status_code == 202, stop.text
@@ -456,6 +474,7 @@ def test_a_member_changes_its_role_when_confirmed_and_its_supervisor_restarts_th
         roles = [(e.outcome, e.detail["to"], e.detail.get("restarted"))
                  for e in reversed(audit_entries(runtime, "cell.peer.role"))]
         assert roles == [("denied", "decode", None), ("ok", "decode", True),
+                         ("denied", "prefill", None), ("ok", "prefill", False),
                          ("ok", "unified", False)]
 
 

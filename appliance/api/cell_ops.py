@@ -4,8 +4,9 @@ On a member:
 - `POST /peer/role` (admin for a person; a head's peer credential opens it): change this box's
   role. The role is a flag of the engine, so while the engine runs the change is a restart:
   without `"confirm": true` the answer is 409 with the restart's cost; confirmed, the role is
-  kept (appliance.cell.role_choice) and the engine restarted through the supervisor. A
-  stopped engine takes the new role at its next start. Audited here as `cell.peer.role`.
+  kept (appliance.cell.role_choice) and the engine restarted through the supervisor; with
+  `"at"` (a maintenance window) the role is kept and the restart scheduled then. A stopped
+  engine takes the new role at its next start. Audited here as `cell.peer.role`.
 
 On a head (appliance.cell.ops):
 - `GET /` (viewer): the cell's overview (appliance.cell.overview);
@@ -19,6 +20,7 @@ On a head (appliance.cell.ops):
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 import msgspec
@@ -36,6 +38,7 @@ from appliance.cell.role_choice import store_role
 from appliance.engine.states import LIVE, Command, refusal
 from appliance.errors import ApplianceError
 from appliance.runtime import Runtime, runtime_of
+from appliance.sizes import when_text
 
 CellRequest = Request[Any, AuthInfo, Any]
 SIGNED_IN = [password_current]
@@ -48,6 +51,9 @@ class ConfirmBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class RoleBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     role: str
     confirm: bool = False
+    # A maintenance window: keep the role now and restart the engine then (engine.schedule),
+    # instead of a confirmed restart now. None: now.
+    at: dt.datetime | None = None
 
 
 def ops_of(request: CellRequest) -> CellOps:
@@ -67,11 +73,18 @@ def _via(request: CellRequest) -> str:
 
 
 async def change_own_role(runtime: Runtime, role: str, confirm: bool, *, actor: str,
-                          address: str, via: str) -> dict[str, Any]:
+                          address: str, via: str,
+                          at: dt.datetime | None = None) -> dict[str, Any]:
     """Keep `role` for this box's engine and restart a running engine to take it (confirmed);
     audited as `cell.peer.role`. The role is checked first, and so is whether the engine can
-    restart now: nothing is kept that could not be applied."""
+    restart now: nothing is kept that could not be applied. With `at` (a maintenance window)
+    and a running engine, the role is kept now and a restart scheduled then
+    (appliance.engine.schedule); no confirmation is asked, as nothing stops now. The engine
+    takes the role at that restart, or at any start before it."""
     role = check_role(role)
+    if at is not None and runtime.supervisor.status.state in LIVE \
+            and role != (runtime.supervisor.role or runtime.config.cell.role):
+        return await _role_in_window(runtime, role, at, actor=actor, address=address, via=via)
     supervisor = runtime.supervisor
     previous = supervisor.role or runtime.config.cell.role
     state = supervisor.status.state
@@ -110,12 +123,35 @@ async def change_own_role(runtime: Runtime, role: str, confirm: bool, *, actor: 
                        f"role {role} kept; the engine takes it at its next start"}
 
 
+async def _role_in_window(runtime: Runtime, role: str, at: dt.datetime, *, actor: str,
+                          address: str, via: str) -> dict[str, Any]:
+    from appliance.engine.schedule import schedule_action
+
+    previous = runtime.supervisor.role or runtime.config.cell.role
+    detail: dict[str, Any] = {"via": via, "from": previous, "to": role, "at": at.isoformat()}
+    try:  # the window is checked (in the future, with a zone) before the role is kept
+        scheduled = await schedule_action(runtime, Command.RESTART, at, actor=actor,
+                                          address=address)
+    except ApplianceError as exc:
+        await audit(runtime, actor=actor, address=address, action="cell.peer.role",
+                    outcome="denied", detail={**detail, "refused": exc.code})
+        raise
+    store_role(runtime.config, role)
+    runtime.supervisor.role = role
+    await audit(runtime, actor=actor, address=address, action="cell.peer.role",
+                detail={**detail, "restarted": False, "scheduled": scheduled.id})
+    return {"role": role, "previous": previous, "changed": True, "restarted": False,
+            "scheduled": {"id": scheduled.id, "at": scheduled.run_at.isoformat()},
+            "message": f"role {role} kept; the engine restarts to take it in the maintenance "
+                       f"window at {when_text(scheduled.run_at)} (or at any start before it)"}
+
+
 @post("/peer/role", status_code=200, guards=SIGNED_IN,
       summary="Change this member's role (a restart of a running engine, confirmed)")
 async def peer_role(request: CellRequest, data: JSONBody[RoleBody]) -> dict[str, Any]:
     return await change_own_role(runtime_of(request), data.role, data.confirm,
                                  actor=_actor(request), address=client_address(request),
-                                 via=_via(request))
+                                 via=_via(request), at=data.at)
 
 
 # --- on a head --------------------------------------------------------------------------------
@@ -141,7 +177,7 @@ async def member_role(request: CellRequest, member_id: FromPath[int],
                       data: JSONBody[RoleBody]) -> dict[str, Any]:
     return await ops_of(request).member_role(
         member_id, data.role, confirm=data.confirm, actor=_actor(request),
-        address=client_address(request))
+        address=client_address(request), at=data.at)
 
 
 @post("/rolling-restart", status_code=202, guards=SIGNED_IN,

@@ -59,6 +59,11 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         member.add_argument(what, choices=choices)
         member.add_argument("--yes", action="store_true",
                             help="confirm ending its running engine (a start costs ~90 min)")
+        if name == "role":
+            member.add_argument("--at", metavar="TIME",
+                                help="in a maintenance window instead of now: keep the role "
+                                     "and restart its engine then (ISO time with a zone, "
+                                     "e.g. 2026-12-05T02:00:00Z)")
         member.add_argument("--json", action="store_true")
     rolling = csub.add_parser("rolling-restart", parents=[common],
                               help="on the head: restart a role's members one at a time")
@@ -156,8 +161,10 @@ def run_ops(args: argparse.Namespace, api: Any) -> int:
                       f"asked; its engine is {b['engine'].get('state', '?').replace('_', ' ')} "
                       "(follow it with `appliance cell status`)")
     if command == "role":
-        body = checked(api.post(f"{API}/members/{args.id}/role",
-                                json={"role": args.role, "confirm": args.yes}), "cell_api")
+        asked: dict[str, Any] = {"role": args.role, "confirm": args.yes}
+        if args.at:
+            asked["at"] = args.at
+        body = checked(api.post(f"{API}/members/{args.id}/role", json=asked), "cell_api")
         return _print(args, body, lambda b: f"member {b['id']} ({b['address']}): {b['message']}")
     body = checked(api.post(f"{API}/rolling-restart",
                             json={"role": args.role, "confirm": args.yes}), "cell_api")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime as dt
 from functools import partial
 from typing import Any, Final
 
@@ -187,12 +188,17 @@ class CellOps:
         return {"id": member.id, "address": member.address, "action": action, "engine": answer}
 
     async def member_role(self, member_id: int, role: str, *, confirm: bool, actor: str,
-                          address: str) -> dict[str, Any]:
+                          address: str, at: dt.datetime | None = None) -> dict[str, Any]:
+        """Change a member's role now (its running engine restarts, confirmed) or in a
+        maintenance window `at` (kept now, the member's restart scheduled there)."""
         role = membership.check_role(role)
+        body: dict[str, Any] = {"role": role, "confirm": confirm}
+        what: dict[str, Any] = {"role": role}
+        if at is not None:
+            body["at"] = what["at"] = at.isoformat()
         member, answer = await self._call_member(
-            member_id, f"{PEER}/role", {"role": role, "confirm": confirm}, confirm=confirm,
-            actor=actor, address=address, action="cell.member.role",
-            what={"role": role})
+            member_id, f"{PEER}/role", body, confirm=confirm or at is not None,
+            actor=actor, address=address, action="cell.member.role", what=what)
         await self.runtime.db.run(lambda s: _set_role(s, member.id, role))
         return {"id": member.id, "address": member.address, **answer}
 
