@@ -61,6 +61,9 @@ def main(argv: list[str]) -> int:
     url, keyfile = argv[1], Path(argv[2])
     keys: dict[str, str] = json.loads(keyfile.read_text())
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # Ctrl-C in the demo's terminal reaches this child too: end as quietly as on SIGTERM
+    # (the demo says what stopped), not with a traceback.
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
     system = {"role": "system", "content": "You are the appliance's demo assistant."}
     histories: dict[str, list[dict[str, Any]]] = {name: [system] for name in keys}
     with httpx.Client(base_url=url, timeout=120) as http:
