@@ -776,3 +776,28 @@ def test_the_usage_window_reads_the_gateways_answers(db: Database) -> None:
     window = db.call(lambda s: usage_window(s, now))
     assert (window.requests, window.completion_tokens) == (3, 10 + 20 + 30)
     assert (window.ttft_p50_ms, window.ttft_p90_ms) == (300.0, 300.0)
+
+
+def test_a_followed_rolling_restart_that_fails_exits_1(capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    """The CLI's verdict is its exit code: a rolling restart that stopped at a failure (or was
+    cancelled) exits 1; one that finished exits 0; one left running unfollowed exits 0."""
+    step = {"engine": "m1", "label": "member 1 (10.0.0.6)", "status": "failed",
+            "message": "its engine crashed into its backoff"}
+
+    def progress(state: str) -> dict[str, Any]:
+        return {"role": "decode", "state": state, "message": "", "skipped": [],
+                "steps": [{**step, "status": "done" if state != "failed" else "failed"}]}
+
+    class Api:  # the daemon's answers, as `checked` reads them
+        def __init__(self, state: str) -> None:
+            self.state = state
+
+        def post(self, path: str, json: Any) -> httpx.Response:
+            return httpx.Response(202, json=progress(self.state))
+
+    for state, code in (("failed", 1), ("cancelled", 1), ("done", 0), ("running", 0)):
+        args = build_parser().parse_args(
+            ["cell", "rolling-restart", "decode", "--yes"] + ["--no-wait"] * (state == "running"))
+        assert cell_cli.run_ops(args, Api(state)) == code, state
+    assert "member 1 (10.0.0.6): failed — its engine crashed" in capsys.readouterr().out

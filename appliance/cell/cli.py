@@ -170,7 +170,10 @@ def run_ops(args: argparse.Namespace, api: Any) -> int:
                             json={"role": args.role, "confirm": args.yes}), "cell_api")
     if args.wait and not args.json:
         body = _follow_rolling(api, body)
-    return _print(args, body, describe_rolling)
+    _print(args, body, describe_rolling)
+    # The verdict is the exit code too: a rolling restart that stopped at a failure, or was
+    # cancelled, exits 1 (one still running when no longer followed is not a verdict: 0).
+    return 1 if body.get("state") in ("failed", "cancelled") else 0
 
 
 def _follow_rolling(api: Any, progress: dict[str, Any]) -> dict[str, Any]:
