@@ -224,6 +224,8 @@ def run_demo(hub_url: str, alerts: Path) -> int:
         f"            POSTed to a demo webhook receiver that writes {alerts}.",
         "            `.venv/bin/appliance --dev doctor` runs every check once from a shell (it",
         "            reads the real NVML: with no NVIDIA driver here it says so, CRITICAL).",
+        "  Cell:     this box serves alone; `make demo-cell` shows a cell of three boxes here",
+        "            (a prefill head, two decode members, SGLang's real router): docs/cell.md.",
         "  Stop with Ctrl-C (the emulated engine keeps running, as a real one would; the next",
         "  `make demo` adopts it; stop it from the Engine page).",
         "",
