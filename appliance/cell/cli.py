@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.cell.plan_cli import add_plan_parser, run_plan
-from appliance.config import Config
+from appliance.config import CELL_ROLES, Config
 from appliance.errors import ApplianceError
 
 API = "/api/v1/cell"
@@ -34,7 +34,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                           help="on the head: add a member with the join token it made")
     add.add_argument("address", help="the member's console address, e.g. https://member-2:8443")
     add.add_argument("token", help="the join token from `appliance cell join-token` there")
-    add.add_argument("--role", default="unified", choices=("unified", "prefill", "decode"))
+    add.add_argument("--role", default="unified", choices=CELL_ROLES)
     add.add_argument("--no-verify-tls", dest="verify_tls", action="store_false",
                      help="accept the member's self-signed certificate")
     add.add_argument("--json", action="store_true")
@@ -52,7 +52,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     for name, what, choices, helped in (
             ("engine", "action", ("start", "stop", "restart"),
              "start, stop or restart a member's engine"),
-            ("role", "role", ("unified", "prefill", "decode"),
+            ("role", "role", CELL_ROLES,
              "change a member's role (restarts its running engine)")):
         member = csub.add_parser(name, parents=[common], help=f"on the head: {helped}")
         member.add_argument("id", type=int)

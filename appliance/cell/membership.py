@@ -24,10 +24,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from appliance.cell.rows import CellMemberRow
+from appliance.config import CELL_ROLES
 from appliance.errors import EX_USAGE, ApplianceError
 from appliance.secrets import write_private
 
-ROLES: Final = ("unified", "prefill", "decode")
+ROLES: Final = CELL_ROLES
 MAX_ADDRESS: Final = 200
 
 

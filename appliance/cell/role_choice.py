@@ -14,9 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from appliance.atomic import write_atomic
-from appliance.config import Config
+from appliance.config import CELL_ROLES, Config
 
-ROLES = ("unified", "prefill", "decode")
+ROLES = CELL_ROLES
 
 
 def role_file(state_dir: Path) -> Path:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance.config import Config
+from appliance.config import CELL_ROLES, Config
 from appliance.errors import EX_DATAERR, EX_USAGE, ApplianceError
 from appliance.tuning.budget import Budget, budget_from_log, settings_from_log
 from appliance.tuning.calculator import (
@@ -299,7 +299,7 @@ def _add_recommend(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--current-ratio", type=float,
                      help="the ratio to compare with (default: the one the engine's last start "
                           "on this box used, else engine.mamba_full_memory_ratio)")
-    cmd.add_argument("--role", choices=("unified", "prefill", "decode"),
+    cmd.add_argument("--role", choices=CELL_ROLES,
                      help="size for this cell role (default: this box's role)")
     cmd.add_argument("--chunked-prefill-size", type=int,
                      help="a prefill's batch in prompt tokens (default: SGLang's on a B300, "

@@ -26,10 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from appliance.config import CELL_ROLES
 from appliance.qualify.plan import PROFILE_SAMPLES, split_length
 from appliance.tuning.profiles import LengthDistribution, format_tokens
 
-ROLES = ("unified", "prefill", "decode")
+ROLES = CELL_ROLES
 # SGLang 0.5.23's --chunked-prefill-size on a GPU with 160 GiB or more (a B300):
 # srt/arg_groups/memory_hook.py, _handle_gpu_memory_settings.
 DEFAULT_CHUNKED_PREFILL = 16_384
