@@ -145,23 +145,18 @@ def forget_member(session: Session, state_dir: Path, member_id: int) -> Member:
     return member
 
 
-def record_seen(session: Session, member_id: int, seen: Seen, now: dt.datetime) -> bool:
-    """Keep what the member reported; True when something the router or the gateway depends
-    on changed. A capacity the member does not report (its engine is not READY) keeps the
-    last one known, so the cell's full capacity can still be stated. A member removed
-    meanwhile is skipped (False)."""
+def record_seen(session: Session, member_id: int, seen: Seen, now: dt.datetime) -> None:
+    """Keep what the member reported. A capacity the member does not report (its engine is
+    not READY) keeps the last one known, so the cell's full capacity can still be stated. A
+    member removed meanwhile is skipped."""
     row = session.get(CellMemberRow, member_id)
     if row is None:
-        return False
+        return
     capacity = seen.capacity if seen.capacity is not None else row.capacity
-    before = (row.engine_url, row.bootstrap_port, row.reported_role, row.engine_state,
-              row.capacity)
-    after = (seen.engine_url[:300] if seen.engine_url else None, seen.bootstrap_port,
-             seen.reported_role[:16], seen.engine_state[:32], capacity)
     (row.engine_url, row.bootstrap_port, row.reported_role, row.engine_state,
-     row.capacity) = after
+     row.capacity) = (seen.engine_url[:300] if seen.engine_url else None, seen.bootstrap_port,
+                      seen.reported_role[:16], seen.engine_state[:32], capacity)
     row.seen_at = now
-    return before != after
 
 
 def check_role(role: str) -> str:

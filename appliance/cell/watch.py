@@ -77,7 +77,7 @@ from appliance.db.database import Database
 from appliance.db.journal import add_event
 from appliance.engine.args import model_dir
 from appliance.errors import ApplianceError
-from appliance.health.alerts import Alerts
+from appliance.health.alerts import Alerts, severity_of
 from appliance.health.model import CheckResult, Level
 from appliance.health.transitions import Transition
 from appliance.secrets import read_engine_api_key
@@ -363,11 +363,11 @@ class CellWatch:
         result = CheckResult(id=f"cell.member.{m.id}", group=SOURCE, title=f"Cell {m.name}",
                              level=level, summary=change.sentence, hint=hint)
         previous = Level.OK if change.lost else Level.WARN
-        severity = "info" if not change.lost else "warning" if view.serving else "critical"
-        await self._event(severity, change.sentence,
+        transition = Transition(at=view.at, result=result, previous=previous)
+        await self._event(severity_of(transition), change.sentence,
                           {"member": m.id, "address": m.address,
                            "kind": "lost" if change.lost else "back", "status": m.status})
-        self.alerts.send([Transition(at=view.at, result=result, previous=previous)])
+        self.alerts.send([transition])
 
     async def _event(self, severity: str, message: str,
                      detail: dict[str, Any] | None = None) -> None:
