@@ -83,10 +83,10 @@ async def change_own_role(runtime: Runtime, role: str, confirm: bool, *, actor: 
     takes the role at that restart, or at any start before it."""
     role = check_role(role)
     if at is not None and runtime.supervisor.status.state in LIVE \
-            and role != (runtime.supervisor.role or runtime.config.cell.role):
+            and role != runtime.supervisor.cell_role:
         return await _role_in_window(runtime, role, at, actor=actor, address=address, via=via)
     supervisor = runtime.supervisor
-    previous = supervisor.role or runtime.config.cell.role
+    previous = supervisor.cell_role
     state = supervisor.status.state
     live = state in LIVE
     detail: dict[str, Any] = {"via": via, "from": previous, "to": role}
@@ -127,7 +127,7 @@ async def _role_in_window(runtime: Runtime, role: str, at: dt.datetime, *, actor
                           address: str, via: str) -> dict[str, Any]:
     from appliance.engine.schedule import schedule_action
 
-    previous = runtime.supervisor.role or runtime.config.cell.role
+    previous = runtime.supervisor.cell_role
     detail: dict[str, Any] = {"via": via, "from": previous, "to": role, "at": at.isoformat()}
     try:  # the window is checked (in the future, with a zone) before the role is kept
         scheduled = await schedule_action(runtime, Command.RESTART, at, actor=actor,

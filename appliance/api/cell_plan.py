@@ -36,7 +36,6 @@ from appliance.cell.plan import (
     plan_cell,
     prefill_rate,
 )
-from appliance.engine.args import build_launch_spec, inputs_from_config
 from appliance.errors import ApplianceError
 from appliance.qualify.ledger import Record, list_qualifications
 from appliance.qualify.plan import DEFAULT_FLOOR
@@ -50,10 +49,7 @@ AdminRequest = Request[Admin, AuthInfo, Any]
 def unified_spec_hash(runtime: Runtime) -> str:
     """The hash of the spec this box would launch as a unified box (its qualifications as a
     box serving alone are filed under it), whatever its role now."""
-    config = runtime.config
-    inputs = inputs_from_config(config, tuning_args=runtime.supervisor.tuning_args,
-                                role="unified")
-    return build_launch_spec(config.engine.command, inputs).spec_hash
+    return runtime.supervisor.current_spec(role="unified").spec_hash
 
 
 def unified_record(records: Sequence[Record], spec_hash: str) -> Record | None:

@@ -38,7 +38,7 @@ class LocalEngine:
     @property
     def role(self) -> str:
         """The role the engine launches with: the head's choice, else the configuration's."""
-        return self.supervisor.role or self.config.cell.role
+        return self.supervisor.cell_role
 
     async def _capacity_of(self, run_id: int | None) -> int | None:
         if self._capacity is not None and self._capacity[0] == run_id:

@@ -15,7 +15,6 @@ from typing import Any
 from appliance.config import Config
 
 API = "/api/v1/cell/plan"
-MARK = {"measured": "measured", "predicted": "predicted"}
 
 
 def add_plan_parser(csub: Any, common: argparse.ArgumentParser) -> None:
@@ -46,7 +45,7 @@ def run_plan(args: argparse.Namespace, config: Config) -> int:
 def _figure(figure: dict[str, Any], unit: str, digits: str = "{:,.0f}") -> str:
     value = figure["value"]
     shown = "unbounded" if value is None else digits.format(value) + unit
-    return f"{shown} ({MARK[figure['kind']]})"
+    return f"{shown} ({figure['kind']})"
 
 
 def describe_plan(body: dict[str, Any]) -> str:

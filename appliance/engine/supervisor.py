@@ -378,11 +378,17 @@ class Supervisor:
                 "start the engine with the current configuration instead", status=409)
         return LaunchSpec.from_json(desired.last_good_spec_json)
 
-    def current_spec(self) -> LaunchSpec:
-        """The spec a start would launch now (pure: config → argv with provenance)."""
+    @property
+    def cell_role(self) -> str:
+        """The cell role the engine launches with: the head's choice, else `cell.role`."""
+        return self.role or self.config.cell.role
+
+    def current_spec(self, role: str | None = None) -> LaunchSpec:
+        """The spec a start would launch now (pure: config → argv with provenance); `role`:
+        the spec it would launch in that cell role instead."""
         return build_launch_spec(self.config.engine.command,
                                  inputs_from_config(self.config, tuning_args=self.tuning_args,
-                                                    role=self.role))
+                                                    role=role or self.role))
 
     async def _start(self, actor: str, attempt: int = 1, spec: LaunchSpec | None = None) -> None:
         if self._retry is not None and not self._retry.done() and attempt == 1:

@@ -173,7 +173,7 @@ class TuningService:
 
     def role(self) -> str:
         """The box's cell role for its next launch: the head's choice, else `cell.role`."""
-        return self.supervisor.role or self.config.cell.role
+        return self.supervisor.cell_role
 
     def role_target(self, role: str, profile: Profile, spec: LaunchSpec | None = None
                     ) -> RoleTarget:
@@ -183,9 +183,12 @@ class TuningService:
         return role_target(role, profile.lengths, profile.target_concurrency,
                            chunked_prefill=int(chunk) if chunk and chunk.isdigit() else None)
 
-    async def profile(self, name: str | None = None) -> Profile:
-        """A profile by name; None: the applied choice's, else "balanced"."""
-        choice = await self.db.run(store.get_choice)
+    async def profile(self, name: str | None = None, *,
+                      choice: store.Choice | None = None) -> Profile:
+        """A profile by name; None: the applied choice's (`choice`, when the caller has
+        already read it), else "balanced"."""
+        if name is None and choice is None:
+            choice = await self.db.run(store.get_choice)
         chosen = name or (choice.profile if choice else DEFAULT_PROFILE)
         return await self.db.run(lambda s: store.find_profile(s, chosen))
 
@@ -250,7 +253,8 @@ class TuningService:
         """The figures for a profile: by name, an unsaved draft (a `Profile`), or None for
         the applied choice's profile (else "balanced")."""
         choice = await self.db.run(store.get_choice)
-        chosen = profile if isinstance(profile, Profile) else await self.profile(profile)
+        chosen = profile if isinstance(profile, Profile) else await self.profile(
+            profile, choice=choice)
         geometry = await self.geometry()
         spec = self.supervisor.current_spec()
         launch = self.launch(geometry, spec)
