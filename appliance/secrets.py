@@ -65,11 +65,17 @@ def keyed_hash(secret: bytes, credential: str) -> str:
     return hmac.new(secret, credential.encode(), hashlib.sha256).hexdigest()
 
 
+def engine_key_path(state_dir: Path) -> Path:
+    """Where the engine API key lives (the router's spec and a cell's key hand-over name it
+    too)."""
+    return state_dir / "secrets" / "engine-api.key"
+
+
 def engine_api_key(state_dir: Path) -> str:
     """The engine port's API key (state_dir/secrets/engine-api.key, 0600), created on first
     use. The daemon and the gateway (both the `appliance` user) send it as
     `Authorization: Bearer` on every engine call."""
-    path = state_dir / "secrets" / "engine-api.key"
+    path = engine_key_path(state_dir)
     if not path.exists():
         _create_private(path, secrets.token_hex(32).encode())  # hex: no leading "-"
     key = path.read_text().strip()
@@ -83,8 +89,13 @@ def read_engine_api_key(state_dir: Path) -> str | None:
     """The engine key when this process may read it, else None (`appliance doctor` run by
     a user who cannot read the secrets: its probes then go without, and answer what they
     can)."""
+    return read_key_file(engine_key_path(state_dir))
+
+
+def read_key_file(path: Path) -> str | None:
+    """The engine key a file holds, or None when it cannot be read or holds none."""
     try:
-        key = (state_dir / "secrets" / "engine-api.key").read_text().strip()
+        key = path.read_text().strip()
     except OSError:
         return None
     return key if ENGINE_KEY_RE.fullmatch(key) else None

@@ -23,7 +23,14 @@ from pathlib import Path
 import httpx
 
 from appliance.errors import EX_USAGE, ApplianceError
-from appliance.secrets import ENGINE_KEY_RE, read_engine_api_key, write_engine_auth, write_private
+from appliance.secrets import (
+    ENGINE_KEY_RE,
+    read_engine_api_key,
+    read_key_file,
+    write_engine_auth,
+    write_private,
+)
+from appliance.secrets import engine_key_path as key_path
 
 # SGLang answers these without a key (utils/auth.py): an answer there proves nothing.
 EXEMPT_PREFIXES = ("/health", "/ready", "/metrics")
@@ -33,10 +40,6 @@ def fingerprint(key: str) -> str:
     """A key's public name: 16 hex digits of its SHA-256 (the key itself is 256 random bits,
     so the fingerprint tells nothing about it)."""
     return hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-def key_path(state_dir: Path) -> Path:
-    return state_dir / "secrets" / "engine-api.key"
 
 
 def previous_key_path(state_dir: Path) -> Path:
@@ -68,14 +71,6 @@ def hand_over(state_dir: Path, key: str) -> bool:
     return True
 
 
-def _read(path: Path) -> str | None:
-    try:
-        key = path.read_text().strip()
-    except OSError:
-        return None
-    return key if ENGINE_KEY_RE.fullmatch(key) else None
-
-
 class EngineKeys:
     """The key this box's clients send to its engine, and the one the engine last accepted.
 
@@ -89,7 +84,8 @@ class EngineKeys:
         self.accepted: str | None = None
 
     def alternatives(self, tried: str | None) -> list[str]:
-        keys = (_read(key_path(self._state_dir)), _read(previous_key_path(self._state_dir)))
+        keys = (read_engine_api_key(self._state_dir),
+                read_key_file(previous_key_path(self._state_dir)))
         return [k for k in dict.fromkeys(keys) if k is not None and k != tried]
 
     def accept(self, key: str | None) -> None:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from appliance.atomic import write_atomic
 from appliance.engine.args import json_pair, json_strings
+from appliance.secrets import engine_key_path
 
 ROUTER_SPEC_FORMAT = "appliance-router-spec/1"
 DEFAULT_ROUTER_DIR = Path("/opt/appliance/router")
@@ -221,7 +222,7 @@ def router_spec_path(state_dir: Path) -> Path:
 def engine_key_file(state_dir: Path) -> Path:
     """The engine API key's file (appliance.secrets.engine_api_key writes it), which the
     router sends to the members' engines."""
-    return state_dir / "secrets" / "engine-api.key"
+    return engine_key_path(state_dir)
 
 
 def write_router_spec(path: Path, spec: RouterSpec) -> bool:
