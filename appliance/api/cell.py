@@ -76,7 +76,7 @@ class MemberBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     verify_tls: bool = True  # false only for a member with a self-signed certificate
 
 
-def _actor(request: CellRequest) -> str:
+def actor_of(request: CellRequest) -> str:
     return str(getattr(request.user, "username", "?"))
 
 
@@ -85,14 +85,18 @@ def _peer(request: CellRequest) -> str:
     return request.auth.token_prefix if request.auth.kind == "peer" else ""
 
 
+def via_of(request: CellRequest) -> str:
+    """Who asked, for the engine's audit: a head's credential, or the caller's kind."""
+    prefix = _peer(request)
+    return f"cell peer {prefix}" if prefix else f"api:{request.auth.kind}"
+
+
 async def _served(request: CellRequest, what: str, outcome: str = "ok",
                   **detail: Any) -> None:
     """The member's audit entry for a peer call it served (a head's, or a local admin's)."""
-    prefix = _peer(request)
-    await audit(runtime_of(request), actor=_actor(request), address=client_address(request),
-                action=what, outcome=outcome, target=prefix,
-                detail={"via": f"cell peer {prefix}" if prefix else f"api:{request.auth.kind}",
-                        **detail})
+    await audit(runtime_of(request), actor=actor_of(request), address=client_address(request),
+                action=what, outcome=outcome, target=_peer(request),
+                detail={"via": via_of(request), **detail})
 
 
 # --- on a member ------------------------------------------------------------------------------
@@ -104,8 +108,8 @@ async def create_join_token(request: CellRequest) -> dict[str, Any]:
     runtime = runtime_of(request)
     now = runtime.clock.now()
     made = await runtime.db.run(lambda s: tokens.create_join_token(
-        s, runtime.secret, created_by=_actor(request), now=now))
-    await audit(runtime, actor=_actor(request), address=client_address(request),
+        s, runtime.secret, created_by=actor_of(request), now=now))
+    await audit(runtime, actor=actor_of(request), address=client_address(request),
                 action="cell.join_token.create", detail={"expires_at": made.expires_at.isoformat()})
     return {"token": made.token, "expires_at": made.expires_at.isoformat(),
             "hint": "on the head: `appliance cell add THIS_BOX_ADDRESS TOKEN` within the hour"}
@@ -140,7 +144,7 @@ async def leave(request: CellRequest) -> dict[str, Any]:
     runtime = runtime_of(request)
     now = runtime.clock.now()
     revoked = await runtime.db.run(lambda s: tokens.revoke_peers(s, now))
-    await audit(runtime, actor=_actor(request), address=client_address(request),
+    await audit(runtime, actor=actor_of(request), address=client_address(request),
                 action="cell.leave", detail={"revoked": revoked})
     return {"revoked": revoked}
 
@@ -205,11 +209,10 @@ async def peer_engine(request: CellRequest, action: FromPath[str],
         await _served(request, "cell.peer.engine", "denied", action=action[:20])
         raise ApplianceError("engine_action_unknown", f"unknown engine action {action[:20]!r}",
                              "use start, stop or restart")
-    prefix = _peer(request)
-    via = f"cell peer {prefix}" if prefix else f"api:{request.auth.kind}"
+    via = via_of(request)
     try:
         answer = await run_action(runtime_of(request), command, (data or EngineBody()).confirm,
-                                  _actor(request), client_address(request), via)
+                                  actor_of(request), client_address(request), via)
     except ApplianceError as exc:
         await _served(request, "cell.peer.engine", "denied", action=action, refused=exc.code)
         raise
@@ -237,7 +240,7 @@ async def release(request: CellRequest) -> dict[str, Any]:
 
 
 def _client(runtime: Runtime, request: CellRequest) -> PeerClient:
-    return PeerClient(partial(audit, runtime), actor=_actor(request),
+    return PeerClient(partial(audit, runtime), actor=actor_of(request),
                       address=client_address(request))
 
 
@@ -265,8 +268,8 @@ async def add_member(request: CellRequest, data: JSONBody[MemberBody]) -> dict[s
     member = await runtime.db.run(lambda s: membership.add_member(
         s, runtime.state_dir, address=address, role=role, verify_tls=data.verify_tls,
         credential=str(answer["credential"]), prefix=str(answer["prefix"]),
-        added_by=_actor(request), now=now))
-    await audit(runtime, actor=_actor(request), address=client_address(request),
+        added_by=actor_of(request), now=now))
+    await audit(runtime, actor=actor_of(request), address=client_address(request),
                 action="cell.member.add", target=address,
                 detail={"id": member.id, "role": role, "credential": member.credential_prefix,
                         "verify_tls": data.verify_tls})
@@ -321,7 +324,7 @@ async def remove_member(request: CellRequest, member_id: FromPath[int]) -> dict[
             why = exc.message
     await runtime.db.run(lambda s: membership.forget_member(s, runtime.state_dir, member.id))
     runtime.cell.poke()  # the router's spec and the gateway's row follow at once
-    await audit(runtime, actor=_actor(request), address=client_address(request),
+    await audit(runtime, actor=actor_of(request), address=client_address(request),
                 action="cell.member.remove", target=member.address,
                 detail={"id": member.id, "released_on_member": released,
                         **({"why": why} if why else {})})

@@ -24,13 +24,13 @@ import datetime as dt
 from typing import Any
 
 import msgspec
-from litestar import Request, Router, get, post
+from litestar import Router, get, post
 from litestar.params import FromPath, JSONBody
 
+from appliance.api.cell import SIGNED_IN, CellRequest, actor_of, via_of
 from appliance.api.engine import cost_sentence, run_action
 from appliance.auditing import audit
-from appliance.auth.guards import password_current
-from appliance.auth.middleware import AuthInfo, client_address
+from appliance.auth.middleware import client_address
 from appliance.cell.membership import check_role
 from appliance.cell.ops import CellOps, cell_ops_of
 from appliance.cell.overview import overview_json, progress_json
@@ -39,9 +39,6 @@ from appliance.engine.states import LIVE, Command, refusal
 from appliance.errors import ApplianceError
 from appliance.runtime import Runtime, runtime_of
 from appliance.sizes import when_text
-
-CellRequest = Request[Any, AuthInfo, Any]
-SIGNED_IN = [password_current]
 
 
 class ConfirmBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -58,15 +55,6 @@ class RoleBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 def ops_of(request: CellRequest) -> CellOps:
     return cell_ops_of(request.app.state, runtime_of(request))
-
-
-def _actor(request: CellRequest) -> str:
-    return str(getattr(request.user, "username", "?"))
-
-
-def _via(request: CellRequest) -> str:
-    auth = request.auth
-    return f"cell peer {auth.token_prefix}" if auth.kind == "peer" else f"api:{auth.kind}"
 
 
 # --- on a member ------------------------------------------------------------------------------
@@ -150,8 +138,8 @@ async def _role_in_window(runtime: Runtime, role: str, at: dt.datetime, *, actor
       summary="Change this member's role (a restart of a running engine, confirmed)")
 async def peer_role(request: CellRequest, data: JSONBody[RoleBody]) -> dict[str, Any]:
     return await change_own_role(runtime_of(request), data.role, data.confirm,
-                                 actor=_actor(request), address=client_address(request),
-                                 via=_via(request), at=data.at)
+                                 actor=actor_of(request), address=client_address(request),
+                                 via=via_of(request), at=data.at)
 
 
 # --- on a head --------------------------------------------------------------------------------
@@ -167,7 +155,7 @@ async def cell_overview(request: CellRequest) -> dict[str, Any]:
 async def member_engine(request: CellRequest, member_id: FromPath[int], action: FromPath[str],
                         data: JSONBody[ConfirmBody | None] = None) -> dict[str, Any]:
     return await ops_of(request).member_engine(
-        member_id, action, confirm=(data or ConfirmBody()).confirm, actor=_actor(request),
+        member_id, action, confirm=(data or ConfirmBody()).confirm, actor=actor_of(request),
         address=client_address(request))
 
 
@@ -176,7 +164,7 @@ async def member_engine(request: CellRequest, member_id: FromPath[int], action: 
 async def member_role(request: CellRequest, member_id: FromPath[int],
                       data: JSONBody[RoleBody]) -> dict[str, Any]:
     return await ops_of(request).member_role(
-        member_id, data.role, confirm=data.confirm, actor=_actor(request),
+        member_id, data.role, confirm=data.confirm, actor=actor_of(request),
         address=client_address(request), at=data.at)
 
 
@@ -184,14 +172,14 @@ async def member_role(request: CellRequest, member_id: FromPath[int],
       summary="Restart a role's members one at a time, never its last READY one")
 async def rolling_restart(request: CellRequest, data: JSONBody[RoleBody]) -> dict[str, Any]:
     progress = await ops_of(request).start_rolling(
-        data.role, confirm=data.confirm, actor=_actor(request), address=client_address(request))
+        data.role, confirm=data.confirm, actor=actor_of(request), address=client_address(request))
     return progress_json(progress) or {}
 
 
 @post("/rolling-restart/cancel", status_code=200, guards=SIGNED_IN,
       summary="Stop the rolling restart before its next step")
 async def rolling_restart_cancel(request: CellRequest) -> dict[str, Any]:
-    progress = await ops_of(request).cancel_rolling(actor=_actor(request),
+    progress = await ops_of(request).cancel_rolling(actor=actor_of(request),
                                                     address=client_address(request))
     return progress_json(progress) or {}
 
