@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from appliance.tuning.profiles import Profile
+from appliance.tuning.profiles import LengthDistribution, Profile
 
 DEFAULT_FLOOR = 32.0          # decode tokens per second, at p10 across users
 DEFAULT_REPEATS = 3
@@ -95,11 +95,18 @@ def split_length(total: int) -> Shape:
     return Shape(max(1, total - output), output)
 
 
+def shapes_of(lengths: LengthDistribution, samples: int = PROFILE_SAMPLES) -> tuple[Shape, ...]:
+    """Request shapes at evenly spaced percentiles of a length distribution, each split into
+    prompt and answer (`split_length`): how a profile becomes requests, for a qualification
+    and for the tuning of a prefill box alike."""
+    return tuple(split_length(max(2, round(lengths.quantile(100.0 * (k + 0.5) / samples))))
+                 for k in range(samples))
+
+
 def from_profile(profile: Profile, samples: int = PROFILE_SAMPLES) -> Workload:
     """Shapes at evenly spaced percentiles of a tuning profile's length distribution."""
-    points = [profile.lengths.quantile(100.0 * (k + 0.5) / samples) for k in range(samples)]
     return Workload(f"profile:{profile.name}", f"Profile {profile.title}",
-                    tuple(split_length(max(2, round(p))) for p in points))
+                    shapes_of(profile.lengths, samples))
 
 
 def from_usage(pairs: Iterable[tuple[int, int]], samples: int = PROFILE_SAMPLES) -> Workload:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from appliance.config import CELL_ROLES
-from appliance.qualify.plan import PROFILE_SAMPLES, split_length
+from appliance.qualify.plan import PROFILE_SAMPLES, shapes_of
 from appliance.tuning.profiles import LengthDistribution, format_tokens
 
 ROLES = CELL_ROLES
@@ -56,8 +56,7 @@ def request_shape(lengths: LengthDistribution,
                   samples: int = PROFILE_SAMPLES) -> tuple[float, float]:
     """(mean prompt tokens, mean answer tokens) of a profile, from its lengths at evenly
     spaced percentiles, split as a qualification of that profile splits them."""
-    shapes = [split_length(max(2, round(lengths.quantile(100.0 * (k + 0.5) / samples))))
-              for k in range(samples)]
+    shapes = shapes_of(lengths, samples)
     return (sum(s.input_tokens for s in shapes) / samples,
             sum(s.output_tokens for s in shapes) / samples)
 
