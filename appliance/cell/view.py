@@ -29,6 +29,7 @@ import datetime as dt
 import ipaddress
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -140,7 +141,7 @@ class Observed:
     hint: str = ""
     answer: Mapping[str, Any] | None = None
 
-    @property
+    @cached_property  # read once per poll, though the watch asks for it several times
     def report(self) -> Report | None:
         return read_report(self.answer) if self.answer is not None else None
 
