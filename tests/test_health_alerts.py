@@ -170,3 +170,50 @@ def test_without_a_url_only_events_are_written(db: Database, clock: FakeClock) -
     publish(alerts_for(db, clock, ""), changes({}, [HOT], clock.now()))
     assert [e.severity for e in health_events(db)] == ["critical"]
 
+
+
+# A webhook URL carries its secret in the path, the query or the userinfo (Slack, Teams, ntfy).
+SECRET_PARTS = ("services", "T000", "B000", "XXXXsecret", "token=abc", "hookuser", "hookpass")
+
+
+def secret_url(port: int) -> str:
+    return f"http://hookuser:hookpass@127.0.0.1:{port}/services/T000/B000/XXXXsecret?token=abc"
+
+
+def assert_no_secret(texts: list[str]) -> None:
+    for text in texts:
+        leaked = [part for part in SECRET_PARTS if part in text]
+        assert not leaked, f"{leaked} shown in {text!r}"
+
+
+def test_a_failing_webhook_is_named_without_its_secret_parts(
+        db: Database, clock: FakeClock, receiver: Receiver,
+        caplog: pytest.LogCaptureFixture) -> None:
+    port = receiver.server.server_address[1]
+    receiver.statuses = [500] * 2
+    alerts = alerts_for(db, clock, secret_url(port), retries=1)
+    with caplog.at_level("WARNING", logger="appliance.health.alerts"):
+        publish(alerts, changes({}, [HOT], clock.now()))
+        publish(alerts, changes({HOT.id: Level.CRITICAL}, [COOL], clock.now()))
+
+    assert len(receiver.bodies) == 3  # it was the real receiver that failed, then took one
+    messages = [e.message for e in health_events(db)]
+    failed = [m for m in messages if "could not be delivered" in m]
+    back = [m for m in messages if "accepts alerts again" in m]
+    assert failed and back
+    assert f"http://127.0.0.1:{port}/***" in failed[0]  # which webhook: scheme, host, port
+    assert_no_secret(messages + [json.dumps(e.detail) for e in health_events(db)])
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("not delivered" in line for line in logged)
+    assert_no_secret(logged)
+
+
+def test_an_unreachable_webhook_is_named_without_its_secret_parts(
+        db: Database, clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
+    port = free_port()  # nothing listens there: the transport's own error is shown
+    with caplog.at_level("WARNING", logger="appliance.health.alerts"):
+        publish(alerts_for(db, clock, secret_url(port), retries=0),
+                changes({}, [HOT], clock.now()))
+    (failure,) = [e.message for e in health_events(db) if "could not be delivered" in e.message]
+    assert "ConnectError" in failure and f"127.0.0.1:{port}/***" in failure
+    assert_no_secret([failure] + [r.getMessage() for r in caplog.records])

@@ -14,6 +14,11 @@
   status is final (a wrong URL does not fix itself). A delivery that fails is recorded as
   one warning event when the webhook *starts* failing; later failures while it stays down
   only go to the log, and the first success after that is one info event.
+- The URL is a secret (Slack, Teams and ntfy URLs carry their token in the path or query,
+  some receivers a user:password@): events and the log name the webhook by
+  `config.mask_webhook` (scheme://host[:port]/***) only, and a transport error's text is
+  scrubbed of the URL's parts before it is shown. Viewers read events; the log goes to the
+  journal.
 - A muted check sends nothing and writes no event; its transition is still kept in history
   (the monitor stores it with `muted` set).
 """
@@ -25,11 +30,13 @@ import contextlib
 import logging
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from sqlalchemy.orm import Session
 
 from appliance.clock import Clock
+from appliance.config import mask_webhook
 from appliance.db.database import Database
 from appliance.db.journal import add_event
 from appliance.health.model import Level
@@ -77,6 +84,7 @@ class Alerts:
                  base_delay: float = 2.0, timeout: float = 10.0) -> None:
         self.db, self.clock, self.url, self.retries = db, clock, url, retries
         self.box, self.version = box, version
+        self.shown = mask_webhook(url)  # the only form of the URL that leaves this object
         self.transport, self.base_delay, self.timeout = transport, base_delay, timeout
         self._queue: asyncio.Queue[dict[str, Any]] | None = None
         self._worker: asyncio.Task[None] | None = None
@@ -155,7 +163,7 @@ class Alerts:
             try:
                 response = await self._client.post(self.url, json=body)
             except httpx.HTTPError as exc:
-                problem = f"{type(exc).__name__}: {exc}".rstrip(": ")
+                problem = self._scrub(f"{type(exc).__name__}: {exc}".rstrip(": "))
                 continue
             if response.is_success:
                 await self._delivered()
@@ -170,23 +178,37 @@ class Alerts:
             return
         self._failing, missed = False, self._undelivered
         self._undelivered = 0
-        await self._event("info", f"the alert webhook {self.url} accepts alerts again "
+        await self._event("info", f"the alert webhook {self.shown} accepts alerts again "
                                   f"({missed} alert(s) could not be delivered meanwhile; "
                                   "they are in the event log)")
 
     async def _failed(self, body: dict[str, Any], problem: str, attempts: int) -> None:
         self._undelivered += 1
         log.warning("webhook: alert for %s not delivered to %s after %d attempt(s): %s",
-                    body["check"], self.url, attempts, problem)
+                    body["check"], self.shown, attempts, problem)
         if self._failing:
             return
         self._failing = True
         await self._event(
             "warning",
             f"the alert for {body['check']} ({body['level']}) could not be delivered to the "
-            f"webhook {self.url} after {attempts} attempt(s): {problem}; check that the "
+            f"webhook {self.shown} after {attempts} attempt(s): {problem}; check that the "
             "receiver is up and health.webhook_url is right (alerts stay in the event log; "
             "the next success is reported here)")
+
+    def _scrub(self, text: str) -> str:
+        """`text` (an HTTP library's error) without the URL or any of its secret parts: some
+        errors quote the URL they were given."""
+        text = text.replace(self.url, self.shown)
+        try:
+            parts = urlsplit(self.url)
+            secrets = [parts.path if parts.path not in ("", "/") else "", parts.query,
+                       parts.fragment, parts.username or "", parts.password or ""]
+        except ValueError:
+            return text
+        for part in sorted(filter(None, secrets), key=len, reverse=True):
+            text = text.replace(part, "***")
+        return text
 
     async def _event(self, severity: str, message: str) -> None:
         at = self.clock.now()
