@@ -24,6 +24,7 @@ from typing import Literal
 import psutil
 
 from appliance.config import Config, engine_host
+from appliance.engine import pd_host
 from appliance.gpu.port import GpuPort, GpuSnapshot, snapshot_with_timeout
 from appliance.sizes import GIB, bytes_text, gib_text
 from appliance.volumes import disk_space
@@ -87,6 +88,7 @@ class PreflightFacts:
     weights_detail: str = ""  # the weights service's sentence and next step
     weights_hint: str = ""
     engine_host: str = "127.0.0.1"  # the address the engine binds (cell.listen_address)
+    pd: pd_host.PdFacts | None = None  # a prefill or decode launch's needs (None: unified)
 
 
 def model_dir(config: Config) -> Path:
@@ -98,13 +100,17 @@ def model_dir(config: Config) -> Path:
 
 
 def evaluate(facts: PreflightFacts, config: Config) -> tuple[Check, ...]:
-    """Every check, passed or not, in a stable order (GPUs, port, weights, volumes)."""
+    """Every check, passed or not, in a stable order (GPUs, port, weights, volumes, and for
+    a prefill or decode launch the transfer library, the RDMA devices and the unit's drop-in:
+    appliance.engine.pd_host)."""
     return (
         *_gpu_checks(facts, config),
         _port_check(facts),
         *_weights_checks(facts),
         _shm_check(facts),
         _models_volume_check(facts),
+        *(Check(f.name, f.ok, "error" if f.blocking else "warning", f.message, f.hint)
+          for f in (pd_host.evaluate(facts.pd) if facts.pd is not None else ())),
     )
 
 
@@ -320,9 +326,13 @@ def gather_facts(
     weights_hint: str = "",
     shm_path: Path = SHM,
     gpu_timeout_s: float = GPU_TIMEOUT_S,
+    role: str | None = None,
+    ib_sysfs: Path = pd_host.IB_SYSFS,
 ) -> PreflightFacts:
     """Look at the box. Blocks (NVML up to `gpu_timeout_s`, a psutil scan of sockets when
-    the port is taken): run it in a thread. Reads only; never raises for what it finds."""
+    the port is taken, the transfer library's import in the engine's python for a PD
+    `role`: the launch's, None: cell.role): run it in a thread. Reads only; never raises for
+    what it finds."""
     directory = model_dir(config)
     port, host = config.engine.port, engine_host(config)
     free, holder, port_error = _probe_port(host, port)
@@ -346,7 +356,21 @@ def gather_facts(
         models_free_bytes=(disk_space(directory) or (None, None))[0],
         shm_total_bytes=shm_total,
         shm_free_bytes=shm_free,
+        pd=pd_facts(config, role or config.cell.role, ib_sysfs),
     )
+
+
+def pd_facts(config: Config, role: str, ib_sysfs: Path = pd_host.IB_SYSFS,
+             ) -> pd_host.PdFacts | None:
+    """The PD needs of a launch in `role` (None for unified): the engine venv's python, and
+    the unit's RDMA drop-in when the engine runs under systemd."""
+    if role not in ("prefill", "decode"):
+        return None
+    venv = config.engine.venv
+    return pd_host.gather(
+        role, config.cell.transfer_backend, config.cell.ib_device,
+        python=venv / "bin" / "python" if venv is not None else None, sysfs=ib_sysfs,
+        dropin=pd_host.RDMA_DROPIN if config.engine.runner == "systemd" else None)
 
 
 def _model_files(directory: Path) -> tuple[bool, bool, int]:

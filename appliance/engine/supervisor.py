@@ -401,7 +401,7 @@ class Supervisor:
         verdict = await self.weights.launch_verdict()
         facts = await asyncio.to_thread(
             gather_facts, self.config, self.gpus, weights_verified=verdict.verified,
-            weights_detail=verdict.message, weights_hint=verdict.hint)
+            weights_detail=verdict.message, weights_hint=verdict.hint, role=self.cell_role)
         problems = blocking(evaluate(facts, self.config))
         if problems and verdict.waiting and all(p.name in WEIGHTS_CHECKS for p in problems):
             # A fresh box's first start: the weights are on their way. Not a failure: the
