@@ -36,7 +36,6 @@ from litestar import Request, Router, delete, get, post, put
 from litestar.params import FromPath, JSONBody
 
 from appliance import __version__
-from appliance.api.engine import run_action
 from appliance.auditing import audit
 from appliance.auth.guards import password_current
 from appliance.auth.middleware import AuthInfo, client_address
@@ -46,6 +45,7 @@ from appliance.cell.local import gpu_summary
 from appliance.cell.membership import Member
 from appliance.cell.peer import MemberRefused, MemberRevoked, MemberUnreachable, PeerClient
 from appliance.cell.watch import observe, push_engine_key
+from appliance.engine.actions import run_action
 from appliance.engine.states import LIVE, Command
 from appliance.errors import EX_USAGE, ApplianceError
 from appliance.runtime import Runtime, runtime_of

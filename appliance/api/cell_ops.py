@@ -28,13 +28,13 @@ from litestar import Router, get, post
 from litestar.params import FromPath, JSONBody
 
 from appliance.api.cell import SIGNED_IN, CellRequest, actor_of, via_of
-from appliance.api.engine import cost_sentence, run_action
 from appliance.auditing import audit
 from appliance.auth.middleware import client_address
 from appliance.cell.membership import check_role
 from appliance.cell.ops import CellOps, cell_ops_of
 from appliance.cell.overview import overview_json, progress_json
 from appliance.cell.role_choice import store_role
+from appliance.engine.actions import cost_sentence, run_action
 from appliance.engine.states import LIVE, Command, refusal
 from appliance.errors import ApplianceError
 from appliance.runtime import Runtime, runtime_of

@@ -16,23 +16,21 @@ from litestar import Request, Router, delete, get, post
 from litestar.params import FromPath, JSONBody, QueryParameter
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
-from appliance.auditing import audit
 from appliance.auth.accounts import Admin
 from appliance.auth.guards import password_current
 from appliance.auth.liveness import credential_check, while_authorised
 from appliance.auth.middleware import AuthInfo, client_address
+from appliance.engine.actions import run_action, scheduled_dict
 from appliance.engine.logtail import follow, tail
 from appliance.engine.records import list_runs
 from appliance.engine.schedule import (
-    Scheduled,
     cancel_action,
     list_scheduled,
-    schedule_action,
 )
-from appliance.engine.states import LIVE, Command
+from appliance.engine.states import Command
 from appliance.engine.views import run_dict, spec_rows, status_dict
 from appliance.errors import ApplianceError
-from appliance.runtime import Runtime, runtime_of
+from appliance.runtime import runtime_of
 
 AdminRequest = Request[Admin, AuthInfo, Any]
 
@@ -42,37 +40,6 @@ AdminRequest = Request[Admin, AuthInfo, Any]
 class ActionBody:
     confirm: bool = False
     at: dt.datetime | None = None  # run in a maintenance window instead of now
-
-
-def cost_sentence(runtime: Runtime) -> str:
-    return runtime.supervisor.start_cost()
-
-
-async def run_action(runtime: Runtime, command: Command, confirm: bool, actor: str,
-                     address: str, via: str, at: dt.datetime | None = None) -> dict[str, Any]:
-    """Queue `command` for the supervisor (or schedule it) after the confirmation rule;
-    audited."""
-    live = runtime.supervisor.status.state in LIVE
-    if command in (Command.STOP, Command.RESTART) and (live or at) and not confirm:
-        raise ApplianceError(
-            "confirmation_required",
-            f"{command.value} ends the running engine; {cost_sentence(runtime)}",
-            "repeat with confirm=true (the console asks for you)", status=409)
-    if at is not None:
-        scheduled = await schedule_action(runtime, command, at, actor=actor, address=address)
-        return {**status_dict(runtime.supervisor.status),
-                "scheduled": scheduled_dict(scheduled)}
-    future = runtime.supervisor.submit(command, actor)
-    refused = future.exception() if future.done() else None
-    # A later failure (a preflight refusal, say) is an event and the status; mark it seen.
-    future.add_done_callback(lambda f: None if f.cancelled() else f.exception())
-    await audit(runtime, actor=actor, address=address, action=f"engine.{command.value}",
-                target=runtime.config.engine.served_model_name,
-                outcome="denied" if refused else "ok",
-                detail={"via": via, **({"refused": str(refused)} if refused else {})})
-    if refused is not None:
-        raise refused
-    return status_dict(runtime.supervisor.status)
 
 
 @get("/", summary="Engine state, progress, memory table and launch figures")
@@ -107,12 +74,6 @@ async def engine_action(
     body = data or ActionBody()
     return await run_action(runtime_of(request), command, body.confirm, request.user.username,
                             client_address(request), f"api:{request.auth.kind}", body.at)
-
-
-def scheduled_dict(action: Scheduled) -> dict[str, Any]:
-    return {"id": action.id, "command": action.command, "run_at": action.run_at.isoformat(),
-            "created_by": action.created_by, "status": action.status,
-            "outcome": action.outcome}
 
 
 @get("/scheduled", summary="Engine actions scheduled for maintenance windows")

@@ -26,11 +26,11 @@ from typing import Any
 from litestar import Request, Response, Router, delete, get, post, put
 from litestar.params import FromPath, FromQuery, JSONBody
 
-from appliance.api.engine import cost_sentence, run_action
 from appliance.auditing import audit
 from appliance.auth.accounts import Admin
 from appliance.auth.guards import password_current
 from appliance.auth.middleware import AuthInfo, client_address
+from appliance.engine.actions import cost_sentence, run_action
 from appliance.engine.states import LIVE, Command, refusal
 from appliance.errors import ApplianceError
 from appliance.runtime import Runtime, runtime_of

@@ -23,7 +23,6 @@ import datetime as dt
 from functools import partial
 from typing import Any, Final
 
-from appliance.api.engine import run_action
 from appliance.auditing import audit
 from appliance.cell import membership
 from appliance.cell.membership import Member
@@ -44,6 +43,7 @@ from appliance.cell.rolling import (
 from appliance.cell.router_metrics import RouterMetricsReader, RouterReading, worker_for
 from appliance.cell.rows import CellMemberRow
 from appliance.cell.view import PD_ROLES, CellView, build_view
+from appliance.engine.actions import run_action
 from appliance.engine.states import LIVE, STARTING, Command
 from appliance.errors import EX_USAGE, ApplianceError
 from appliance.runtime import Runtime

@@ -17,8 +17,8 @@ from litestar import get, post
 from litestar.params import FromPath, URLEncodedBody
 from litestar.response import Template
 
-from appliance.api.engine import cost_sentence, run_action
 from appliance.auth.middleware import client_address
+from appliance.engine.actions import cost_sentence, run_action
 from appliance.engine.records import RunRecord, list_runs
 from appliance.engine.schedule import cancel_action, list_scheduled
 from appliance.engine.states import STARTING, Command, EngineState
