@@ -30,7 +30,16 @@ from appliance.config import Config
 from appliance.db.models import AdminUser
 from appliance.runtime import Runtime
 from appliance.testing.clock import FakeClock
-from tests.conftest import PASSWORD, REPO, Console, LiveServer, add_admin, free_port, make_config
+from tests.conftest import (
+    PASSWORD,
+    REPO,
+    Console,
+    LiveServer,
+    add_admin,
+    csrf,
+    free_port,
+    make_config,
+)
 from tests.oidc_provider import CLIENT_ID, CLIENT_SECRET
 
 ROLE_MAP = "appliance-operators=operator,appliance-admins=admin"
@@ -198,6 +207,81 @@ def test_a_user_without_a_mapped_group_is_refused_with_a_page(
     assert not has_session(console)
     assert runtime.db.call(lambda s: s.scalar(select(AdminUser).where(
         AdminUser.external_subject == "u-2"))) is None
+
+
+ADMIN = {"sub": "u-9", "preferred_username": "ada", "groups": ["appliance-admins"]}
+
+
+def sso_audit(runtime: Runtime) -> list[Any]:
+    from appliance.db.journal import list_audit
+
+    rows = runtime.db.call(lambda s: list_audit(s, action="auth.sso")).items
+    return list(reversed(rows))
+
+
+def mint(console: Console, name: str) -> str:
+    created = console.http.post("/api/v1/tokens", json={"name": name}, headers=csrf(console))
+    assert created.status_code in (200, 201), created.text
+    token: str = created.json()["token"]
+    return token
+
+
+def as_token(server: LiveServer, token: str) -> httpx.Response:
+    """A read any role may make (GET /api/v1/tokens: viewer)."""
+    return httpx.get(f"{server.base_url}/api/v1/tokens", timeout=10,
+                     headers={"Authorization": f"Bearer {token}"})
+
+
+def acts_as_admin(server: LiveServer, token: str) -> bool:
+    """Whether the token passes an admin-only route's guard (a token name that is refused
+    afterwards, so nothing is created)."""
+    answer = httpx.post(f"{server.base_url}/api/v1/tokens", json={"name": "!!"}, timeout=10,
+                        headers={"Authorization": f"Bearer {token}"})
+    assert answer.status_code in (403, 422), answer.text
+    return answer.status_code == 422
+
+
+def admin_with_token(server: LiveServer, console: Console, idp: str) -> str:
+    """ada signs in through the provider as an admin and mints an admin API token."""
+    control(idp, claims=ADMIN)
+    assert sign_in(console).status_code == 200
+    token = mint(console, "ada script")
+    assert acts_as_admin(server, token)
+    return token
+
+
+def test_an_admin_who_loses_every_group_loses_their_tokens_too(
+        runtime: Runtime, server: LiveServer, console: Console, idp: str) -> None:
+    token = admin_with_token(server, console, idp)
+
+    control(idp, claims={**ADMIN, "groups": ["staff"]})  # out of every mapped group
+    refused = sign_in(Console(server.base_url))
+    assert refused.status_code == 403
+    assert as_token(server, token).status_code in (401, 403)  # the token fell with the account
+    assert not has_session(console)
+    user = runtime.db.call(lambda s: s.scalar(select(AdminUser).where(
+        AdminUser.external_subject == "u-9")))
+    assert user.role == "none"
+    denied = sso_audit(runtime)[-1]
+    assert denied.outcome == "denied"
+    assert denied.detail["role_before"] == "admin" and denied.detail["role"] == "none"
+
+    # Back in a mapped group: the next sign-in gives the role back, and the token's ceiling.
+    control(idp, claims={**ADMIN, "groups": ["appliance-operators"]})
+    assert sign_in(Console(server.base_url)).status_code == 200
+    assert as_token(server, token).status_code == 200 and not acts_as_admin(server, token)
+    lowered = sso_audit(runtime)[-1]
+    assert (lowered.detail["role_before"], lowered.detail["role"]) == ("none", "operator")
+
+
+def test_a_lowered_sign_in_lowers_the_tokens_and_is_audited(
+        runtime: Runtime, server: LiveServer, console: Console, idp: str) -> None:
+    token = admin_with_token(server, console, idp)
+    control(idp, claims={**ADMIN, "groups": ["appliance-operators"]})
+    assert sign_in(Console(server.base_url)).status_code == 200
+    assert not acts_as_admin(server, token)  # the admin route is beyond it now
+    lowered = sso_audit(runtime)[-1]
+    assert (lowered.detail["role_before"], lowered.detail["role"]) == ("admin", "operator")
 
 
 @pytest.mark.parametrize("extra_env", [{"APPLIANCE_OIDC_ISSUER": f"http://127.0.0.1:{free_port()}"}])

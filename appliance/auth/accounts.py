@@ -3,6 +3,10 @@
 Functions take a SQLAlchemy `Session` and return frozen records. Password checks always run a
 hash verification, even for unknown users, so response time does not reveal which usernames
 exist.
+
+An account whose role is `NO_ROLE` (a single sign-on account whose last sign-in mapped no
+group, auth/oidc.py) is no one here: `get_admin` does not find it, so no session or API token
+acts for it, and it is not listed. Its next sign-in with a mapped group gives it a role again.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ MAX_PASSWORD_LENGTH = 1024  # argon2 takes any length; the login form's body lim
 USERNAME_MAX = 64
 # Used with fullmatch(): `^...$` with match() would pass "alice\n" ($ matches before a final \n).
 USERNAME_RE = re.compile(r"[a-z][a-z0-9_.-]{1,63}")
+NO_ROLE = "none"  # stored, never assignable: see the module's docstring
 
 
 @dataclass(frozen=True)
@@ -99,12 +104,14 @@ def count_admins(session: Session) -> int:
 
 
 def list_admins(session: Session) -> list[Admin]:
-    return [_record(u) for u in session.scalars(select(AdminUser).order_by(AdminUser.username))]
+    return [_record(u) for u in session.scalars(
+        select(AdminUser).where(AdminUser.role != NO_ROLE).order_by(AdminUser.username))]
 
 
 def get_admin(session: Session, user_id: int) -> Admin | None:
+    """The account, or None when there is none or it has no role (`NO_ROLE`)."""
     user = session.get(AdminUser, user_id)
-    return _record(user) if user else None
+    return _record(user) if user and user.role != NO_ROLE else None
 
 
 def create_admin(
@@ -135,7 +142,8 @@ def set_password(
 ) -> Admin:
     """Replace the password and end every session of that admin."""
     check_password(password)
-    user = session.scalar(select(AdminUser).where(AdminUser.username == username))
+    user = session.scalar(select(AdminUser).where(AdminUser.username == username,
+                                                  AdminUser.role != NO_ROLE))
     if user is None:
         raise ApplianceError(
             "admin_unknown", f"there is no admin named {username!r}",
@@ -153,10 +161,12 @@ def set_role(session: Session, username: str, role: str) -> tuple[Role, Admin]:
     and tokens stay: each request reads the role afresh, and a token never acts above it."""
     chosen = check_role(role)
     user = session.scalar(select(AdminUser).where(AdminUser.username == username))
-    if user is None:
+    if user is None or user.role == NO_ROLE:
         raise ApplianceError(
-            "admin_unknown", f"there is no account named {username!r}",
-            "list accounts with `appliance admin list`", status=404,
+            "admin_unknown", f"there is no account named {username!r} with a role",
+            "list accounts with `appliance admin list` (a single sign-on account that lost "
+            "every mapped group gets its role from its groups at its next sign-in)",
+            status=404,
         )
     before = Role(user.role)
     if before == Role.ADMIN and chosen != Role.ADMIN:
@@ -179,7 +189,7 @@ def authenticate(session: Session, username: str, password: str) -> Admin | None
         hasher().verify(stored, password)
     except (VerificationError, InvalidHashError):
         return None
-    if user is None:
+    if user is None or user.role == NO_ROLE:
         return None
     if hasher().check_needs_rehash(user.password_hash):
         user.password_hash = hasher().hash(password)

@@ -11,10 +11,13 @@ ID token with joserfc (Authlib's JOSE library) against the provider's JWKS: sign
 issuer, audience = our client id, exp/nbf/iat with `LEEWAY` of clock skew, and our nonce.
 
 Only then are the groups read (`oidc.groups_claim`) and mapped to a role (`oidc.role_map`, the
-highest wins); no mapped group is a refusal. A signed-in user becomes a local shadow account
-(source "oidc", found by issuer and subject) carrying the mapped role, and gets the ordinary
-session, so CSRF, audit and role checks work unchanged. A shadow account has no usable
-password, and its username always contains "@", which local usernames cannot.
+highest wins). A signed-in user becomes a local shadow account (source "oidc", found by issuer
+and subject) carrying the mapped role, and gets the ordinary session, so CSRF, audit and role
+checks work unchanged. No mapped group is a refusal, and it takes the shadow account's role
+away (`refuse_shadow`: `accounts.NO_ROLE`), so no session or API token of it acts any more; a
+lower mapped role lowers its tokens' (they never act above their owner's role). A shadow
+account has no usable password, and its username always contains "@", which local usernames
+cannot.
 
 Discovery and the JWKS are read at every sign-in (with `HTTP_TIMEOUT`): sign-ins are rare,
 and the provider's key rotation then needs nothing from us.
@@ -44,7 +47,7 @@ from joserfc.jwk import KeySet
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from appliance.auth.accounts import Admin, get_admin
+from appliance.auth.accounts import NO_ROLE, Admin, get_admin
 from appliance.config import ROLES, OidcConfig
 from appliance.db.models import AdminSession, AdminUser
 
@@ -299,11 +302,18 @@ def _username(who: Identity) -> str:
     return name[:64]
 
 
-def upsert_shadow(session: Session, who: Identity, now: dt.datetime) -> Admin:
-    """Create or update the shadow account of a verified user with a mapped role."""
-    assert who.role is not None
-    user = session.scalar(select(AdminUser).where(
+def _shadow(session: Session, who: Identity) -> AdminUser | None:
+    return session.scalar(select(AdminUser).where(
         AdminUser.external_issuer == who.issuer, AdminUser.external_subject == who.subject))
+
+
+def upsert_shadow(session: Session, who: Identity, now: dt.datetime) -> tuple[Admin, str | None]:
+    """Create or update the shadow account of a verified user with a mapped role; returns
+    (the account, its role before: None for a new one, `NO_ROLE` for one refused last time).
+    Its tokens act with the new role at most from now on (auth/tokens.py)."""
+    assert who.role is not None
+    user = _shadow(session, who)
+    before = user.role if user is not None else None
     wanted = _username(who)
     taken = session.scalar(select(AdminUser.id).where(AdminUser.username == wanted))
     if taken is not None and (user is None or taken != user.id):
@@ -321,16 +331,21 @@ def upsert_shadow(session: Session, who: Identity, now: dt.datetime) -> Admin:
     session.flush()
     admin = get_admin(session, user.id)
     assert admin is not None
-    return admin
+    return admin, before
 
 
-def end_shadow_sessions(session: Session, who: Identity) -> int:
-    """A user who lost every mapped group keeps no session from before."""
-    user = session.scalar(select(AdminUser).where(
-        AdminUser.external_issuer == who.issuer, AdminUser.external_subject == who.subject))
+def refuse_shadow(session: Session, who: Identity) -> tuple[str | None, int]:
+    """A user who lost every mapped group keeps nothing from before: their shadow account's
+    role becomes `NO_ROLE` (no access), so every API token it minted acts for no one, and its
+    sessions end. Returns (its role before, None without an account; sessions ended). This
+    holds even for the box's last admin: the break-glass way back is `appliance admin` as
+    root."""
+    user = _shadow(session, who)
     if user is None:
-        return 0
-    return session.query(AdminSession).filter(AdminSession.user_id == user.id).delete()
+        return None, 0
+    before, user.role = user.role, NO_ROLE
+    ended = session.query(AdminSession).filter(AdminSession.user_id == user.id).delete()
+    return before, ended
 
 
 def refusal_text(who: Identity, config: OidcConfig) -> str:

@@ -7,7 +7,7 @@ tokens. The full token is shown exactly once, when created.
 
 Each token carries a role (auth/roles.py) no higher than its owner's when it is created, and
 acts with the lower of its own and its owner's current role: demoting an account demotes its
-tokens too.
+tokens too, and the tokens of an account with no role (`accounts.NO_ROLE`) act for no one.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 from appliance.auth.accounts import Admin, check_role, get_admin
 from appliance.auth.roles import Role
 from appliance.auth.sessions import TOUCH_INTERVAL
-from appliance.db.models import ApiToken
+from appliance.db.models import AdminUser, ApiToken
 from appliance.errors import EX_USAGE, ApplianceError
 from appliance.secrets import keyed_hash
 
@@ -92,8 +92,6 @@ def create_token(
 
 
 def list_tokens(session: Session) -> list[TokenInfo]:
-    from appliance.db.models import AdminUser
-
     rows = session.execute(
         select(ApiToken, AdminUser.username).join(AdminUser, AdminUser.id == ApiToken.user_id)
         .order_by(ApiToken.created_at.desc(), ApiToken.id.desc())
@@ -123,8 +121,8 @@ def revoke_token(session: Session, prefix: str, now: dt.datetime) -> TokenInfo:
         )
     if row.revoked_at is None:
         row.revoked_at = now
-    admin = get_admin(session, row.user_id)
-    return _info(row, admin.username if admin else "?")
+    owner = session.get(AdminUser, row.user_id)  # also one with no role left (NO_ROLE)
+    return _info(row, owner.username if owner else "?")
 
 
 def resolve_token(

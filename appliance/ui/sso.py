@@ -19,6 +19,7 @@ from litestar.response import Redirect, Template
 
 from appliance.auditing import audit
 from appliance.auth import oidc
+from appliance.auth.accounts import NO_ROLE
 from appliance.auth.middleware import client_address
 from appliance.auth.sessions import open_session
 from appliance.runtime import Runtime, runtime_of
@@ -100,11 +101,12 @@ async def sso_callback(request: Request[Any, Any, Any]) -> Response[Any]:
         who = oidc.identity(claims, config)
         if who.role is None:
             refused = who
-            ended = await runtime.db.run(lambda s: oidc.end_shadow_sessions(s, refused))
+            before, ended = await runtime.db.run(lambda s: oidc.refuse_shadow(s, refused))
             await audit(runtime, actor=who.name[:128], address=address, action="auth.sso",
                         outcome="denied", target=who.subject[:255],
                         detail={"reason": "no mapped group", "groups": list(who.groups[:50]),
-                                "sessions_ended": ended})
+                                "sessions_ended": ended, "role_before": before,
+                                "role": NO_ROLE if before else None})
             return Template("pages/sso_refused.html", status_code=403,
                             cookies=[_flow_cookie(runtime, "", 0)],
                             context={"message": oidc.refusal_text(who, config)})
@@ -115,16 +117,16 @@ async def sso_callback(request: Request[Any, Any, Any]) -> Response[Any]:
         return _failed(runtime, exc, clear_flow=True)
     verified = who
 
-    def sign_in(s: Any) -> tuple[str, str]:
-        admin = oidc.upsert_shadow(s, verified, now)
+    def sign_in(s: Any) -> tuple[str, str, str | None]:
+        admin, before = oidc.upsert_shadow(s, verified, now)
         return admin.username, open_session(
             s, admin, now, runtime.session_policy, address=address,
-            user_agent=request.headers.get("user-agent", ""))
+            user_agent=request.headers.get("user-agent", "")), before
 
-    username, token = await runtime.db.run(sign_in)
+    username, token, before = await runtime.db.run(sign_in)
     await audit(runtime, actor=username, address=address, action="auth.sso", target=username,
-                detail={"role": verified.role, "issuer": verified.issuer,
-                        "subject": verified.subject[:255]})
+                detail={"role": verified.role, "role_before": before,
+                        "issuer": verified.issuer, "subject": verified.subject[:255]})
     return Template("pages/sso_done.html", context={"target": flow.next},
                     cookies=[session_cookie(runtime, token), csrf_cookie(runtime),
                              _flow_cookie(runtime, "", 0)])
