@@ -44,8 +44,8 @@ pytestmark = pytest.mark.skipif(
 # The router's health clock, shortened so a lost and a returned decode are seen in seconds
 # (production keeps RouterInputs' 10 s interval and thresholds of 3 and 2).
 ROUTER_CLOCK = {"health_interval_secs": 1, "health_failure_threshold": 1,
-                "health_success_threshold": 1, "cb_timeout_secs": 1,
-                "startup_timeout_secs": 60, "request_timeout_secs": 60}
+                "health_success_threshold": 1, "startup_timeout_secs": 60,
+                "request_timeout_secs": 60}
 
 
 @dataclass

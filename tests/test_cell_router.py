@@ -123,6 +123,19 @@ def test_the_argv_names_each_member_its_model_dir_and_loopback() -> None:
     assert router_exec.check_router_spec(spec) == []
 
 
+def test_retries_are_bounded_the_breaker_is_off_and_health_waits_for_the_engine() -> None:
+    """Issue 25: the router's five attempts per request, counted on the prefill's breaker
+    too, opened the healthy prefill's circuit; its 5 s health timeout could take a busy
+    prefill out although SGLang's /health answers within its own 20 s."""
+    args = list(build_router_spec(inputs()).args)
+    assert flag(args, "--retry-max-retries") == ["3"]
+    assert "--disable-circuit-breaker" in args
+    assert not [a for a in args if a.startswith("--cb-")]
+    assert int(flag(args, "--health-check-timeout-secs")[0]) > 20
+    assert flag(args, "--health-check-interval-secs") == ["10"]
+    assert flag(args, "--health-failure-threshold") == ["3"]
+
+
 def test_a_prefill_without_a_bootstrap_port_says_none() -> None:
     spec = build_router_spec(inputs([("prefill", "10.0.0.5", 30000, None),
                                      ("decode", "10.0.0.6", 30000, None)]))
@@ -214,6 +227,66 @@ def test_exec_router_refuses_a_foreign_program(tmp_path: Path) -> None:
     assert missing.returncode == 64 and "cannot use the router spec" in missing.stderr
 
 
+RECORDER = """#!/bin/sh
+# A stand-in for the router's Python: what it was given, and what its command line shows.
+here=$(dirname "$0")/..
+tr '\\0' '\\n' < /proc/$$/cmdline > "$here/cmdline.txt"
+cat > "$here/stdin.txt"
+"""
+
+
+def recorder(root: Path) -> Path:
+    """A router directory whose `bin/python` records its argv and stdin."""
+    program = root / "bin" / "python"
+    program.parent.mkdir(parents=True)
+    program.write_text(RECORDER)
+    program.chmod(0o755)
+    return program
+
+
+def recorded_spec(tmp_path: Path) -> tuple[Path, Path]:
+    key = tmp_path / "engine-api.key"
+    key.write_text(KEY)
+    program = recorder(tmp_path / "router")
+    path = router_spec_path(tmp_path / "state")
+    write_router_spec(path, build_router_spec(inputs(program=program, key_file=key)))
+    return path, tmp_path / "router"
+
+
+def test_exec_router_keeps_the_key_off_the_routers_command_line(tmp_path: Path) -> None:
+    """Issue 22: exec-router put `--api-key KEY` in the router's argv, which every user of
+    the box reads in /proc/PID/cmdline. The key now reaches the router on its stdin."""
+    path, router_dir = recorded_spec(tmp_path)
+    result = cli("--spec", str(path), "--router-dir", str(router_dir))
+    assert result.returncode == 0, result.stderr
+    cmdline = (router_dir / "cmdline.txt").read_text()
+    assert KEY not in cmdline and "--api-key" not in cmdline.split("\n")
+    assert "--pd-disaggregation" in cmdline  # the spec's arguments all the same
+    assert (router_dir / "stdin.txt").read_text() == KEY + "\n"
+
+
+def test_the_development_runner_keeps_the_key_off_the_command_line_too(tmp_path: Path) -> None:
+    import asyncio
+
+    from appliance.cell.router_runner import ProcessRouterRunner
+
+    path, router_dir = recorded_spec(tmp_path)
+    runner = ProcessRouterRunner(tmp_path / "state")
+    asyncio.run(runner.restart(path))
+    wait_for(lambda: (router_dir / "stdin.txt").exists()
+             and (router_dir / "stdin.txt").read_text().endswith("\n"),
+             "the stand-in router to read its stdin", 30)
+    assert KEY not in (router_dir / "cmdline.txt").read_text()
+    assert (router_dir / "stdin.txt").read_text() == KEY + "\n"
+    asyncio.run(runner.stop())
+
+
+def test_the_launcher_refuses_to_start_without_a_key() -> None:
+    done = subprocess.run([sys.executable, "-c", router_exec.KEY_ON_STDIN, "--help"],
+                          input="\n", capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 1 and "no engine key" in done.stderr
+
+
 def test_exec_router_refuses_a_file_without_a_key(tmp_path: Path) -> None:
     bad = tmp_path / "engine-api.key"
     bad.write_text("short")
@@ -298,8 +371,8 @@ def test_the_real_router_runs_from_the_spec(tmp_path: Path, model: Path) -> None
         assert answer.json()["usage"]["completion_tokens"] == 5
         assert keyed_chat(url, None).status_code == 401  # the gateway's key discipline holds
         assert keyed_chat(prefill.url, None).status_code == 401
-        # exec'd in place: the pid exec-router started is the router, which retitles itself,
-        # so the key it was given on its command line is gone from the process list
+        # exec'd in place: the pid exec-router started is the router (it retitles itself);
+        # the key reached it on its stdin, never on its command line
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
         assert cmdline.startswith(b"sglang::router") and KEY.encode() not in cmdline
     finally:

@@ -11,13 +11,15 @@ Pure apart from `write_router_spec` and `read_key`. The spec holds:
   gateway reaches it), its Prometheus listener (also loopback; the router's default is
   0.0.0.0:29000), `--model-path`/`--tokenizer-path` at the local model directory (by default
   the router downloads the tokenizer from the Hub by model name, which an air-gapped box
-  cannot do), and health-check and circuit-breaker settings;
+  cannot do), and the retry and health-check settings, with the circuit breaker off
+  (`RouterInputs` says why);
 - **the environment**: `HF_HUB_OFFLINE=1`, so nothing reaches for the Hub anyway;
 - **the key file**: the engine API key's path. The router sends the key to every worker
   (`--api-key`: "the api key used for the authorization with the worker"); the members'
   engines require it on every path but /health and /metrics. Only the path is in the spec and
-  its hash: `appliance cell exec-router` reads the key as the unit's user and adds the flag
-  at exec time, so the spec file never holds it.
+  its hash: `appliance cell exec-router` reads the key as the unit's user and hands it to
+  the router on a pipe at exec time (appliance.cell.router_exec), so neither the spec file
+  nor the router's command line ever holds it.
 
 `spec_hash` is sha256 over canonical JSON of command, argv, env and key file: the daemon
 rewrites the file, and restarts the router, only when the hash changes (a router restart is
@@ -65,13 +67,39 @@ def worker_url(host: str, port: int) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class RouterInputs:
-    """Everything the router's spec is built from. Health checks every
-    `health_interval_secs` (the router's default is 60 s: too slow to notice a lost decode
-    box), a worker out after `health_failure_threshold` failures and back after
-    `health_success_threshold` passes; the circuit breaker opens after `cb_failure_threshold`
-    failed requests and tries again after `cb_timeout_secs`. `startup_timeout_secs` is how
-    long the router waits for the workers at its start: a member's engine may still be loading
-    (~90 minutes), so it is generous."""
+    """Everything the router's spec is built from. Each setting below is chosen against what
+    sglang-router 0.3.2 does (read in its source, `src/routers/http/pd_router.rs`,
+    `src/core/{retry,circuit_breaker}.rs`) and what SGLang 0.5.23's engines do:
+
+    - **Retries** (`retry_attempts`, the router's `--retry-max-retries`, which counts every
+      attempt, the first included): 3, not the router's 5. The router retries a 408, 429,
+      500, 502, 503 or 504, picking a new prefill/decode pair each time, so a retry after a
+      decode that died goes, by round robin, to another decode. Each attempt also sends the
+      prompt to a prefill, which computes it and holds its KV for a decode that never comes
+      (until SGLang's bootstrap timeout), so more attempts are not free: 3 is enough for
+      round robin over two decodes and bounds the waste per user request to 3 prompts. The
+      backoff (`retry_initial_backoff_ms`, doubling up to `retry_max_backoff_ms`, 20 %
+      jitter) spreads the retries of requests that failed together.
+    - **No circuit breaker** (`--disable-circuit-breaker`). In PD mode the router records a
+      pair's outcome on BOTH workers' breakers (`prefill.record_outcome(ok);
+      decode.record_outcome(ok)` after every attempt): a dead decode's failures count
+      against the prefill as well, so with its default threshold two requests' five
+      attempts each opened the prefill's circuit and the whole cell answered 503 "No
+      available prefill workers" while the prefill was healthy (issue 25). The breaker has
+      no way to attribute a failure to one side, so it is off; the health checks below,
+      which probe each engine on its own, take a dead engine out. (Disabled, the router sets
+      its threshold to u32::MAX: its `smg_worker_cb_state` stays closed.)
+    - **Health checks**: `/health` every `health_interval_secs` (the router's default 60 s is
+      too slow to notice a lost decode box), out after `health_failure_threshold` failures in
+      a row, back after `health_success_threshold` passes. SGLang's `/health` is a one-token
+      generation that answers 200 when a token comes back and 503 itself after
+      `SGLANG_HEALTH_CHECK_TIMEOUT` (20 s), and a busy prefill may take seconds to fit it in:
+      `health_timeout_secs` is 25 s, above the engine's own, so the engine's verdict decides,
+      never the router's patience (its 5 s took a busy prefill, the cell's only one, out).
+      A dead engine refuses the connection at once, so it is out within
+      interval x threshold (30 s), and the retries carry its requests meanwhile.
+    - `startup_timeout_secs` is how long the router waits for the workers at its start: a
+      member's engine may still be loading (~90 minutes), so it is generous."""
 
     workers: tuple[Worker, ...]
     model_path: Path
@@ -80,12 +108,13 @@ class RouterInputs:
     key_file: Path
     program: Path = DEFAULT_ROUTER_DIR / "bin" / "python"
     policy: str = "round_robin"
+    retry_attempts: int = 3
+    retry_initial_backoff_ms: int = 100
+    retry_max_backoff_ms: int = 1000
     health_interval_secs: int = 10
     health_failure_threshold: int = 3
     health_success_threshold: int = 2
-    health_timeout_secs: int = 5
-    cb_failure_threshold: int = 10
-    cb_timeout_secs: int = 30
+    health_timeout_secs: int = 25
     startup_timeout_secs: int = 7200
     request_timeout_secs: int = 1800
     metrics_port: int = METRICS_PORT
@@ -105,7 +134,8 @@ class RouterSpec:
     spec_hash: str
 
     def argv(self) -> list[str]:
-        """The argv without the key (exec-router appends `--api-key KEY`)."""
+        """The argv as the spec says it, without the key (what runs is
+        `router_exec.launch_argv`: the same arguments, the key read from a pipe)."""
         return [*self.command, *self.args]
 
     def to_json(self) -> str:
@@ -193,8 +223,11 @@ def router_args(inputs: RouterInputs) -> list[str]:
         "--health-failure-threshold", str(inputs.health_failure_threshold),
         "--health-success-threshold", str(inputs.health_success_threshold),
         "--health-check-timeout-secs", str(inputs.health_timeout_secs),
-        "--cb-failure-threshold", str(inputs.cb_failure_threshold),
-        "--cb-timeout-duration-secs", str(inputs.cb_timeout_secs),
+        "--retry-max-retries", str(inputs.retry_attempts),
+        "--retry-initial-backoff-ms", str(inputs.retry_initial_backoff_ms),
+        "--retry-max-backoff-ms", str(inputs.retry_max_backoff_ms),
+        "--retry-backoff-multiplier", "2", "--retry-jitter-factor", "0.2",
+        "--disable-circuit-breaker",
         "--worker-startup-timeout-secs", str(inputs.startup_timeout_secs),
         "--request-timeout-secs", str(inputs.request_timeout_secs),
         "--log-level", inputs.log_level,

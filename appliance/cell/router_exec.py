@@ -13,11 +13,15 @@ running anything but the installer's router:
 - **the environment** is only `HF_*` names (what `ROUTER_ENV` writes);
 - **the key file** holds an engine API key and nothing else.
 
-The key goes into the router's argv (`--api-key`: sglang-router 0.3.2 reads it from nowhere
-else). The router retitles itself `sglang::router` as it starts, overwriting its argv, so the
-key shows in the process list only for that first moment, and only to those who may see the
-`appliance` user's processes; docs/cell.md says so. The router asks every caller for the same
-key (the head's gateway sends it, as it does to a unified engine) and sends it to the workers.
+The key never enters the router's command line, which every user of the box can read in
+`/proc/PID/cmdline`. sglang-router 0.3.2 takes it only as `--api-key` (no file, no
+environment variable), but its launcher is Python that parses `sys.argv`: so the router's
+Python runs `KEY_ON_STDIN` (`launch_argv`), a fixed launcher that reads the key from its
+stdin, a pipe written and closed before the exec, points stdin at /dev/null, and runs
+`sglang_router.launch_router` with `--api-key KEY` added to `sys.argv` in its memory only.
+The process's argv holds the launcher and the spec's arguments, never the key. The router
+asks every caller for the same key (the head's gateway sends it, as it does to a unified
+engine) and sends it to the workers.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Final, NoReturn
 
 from appliance.cell.router import DEFAULT_ROUTER_DIR, ROUTER_MODULE, RouterSpec
 from appliance.errors import EX_USAGE, ApplianceError
@@ -37,10 +41,21 @@ ROUTER_FLAGS = {
     "--policy": 1, "--model-path": 1, "--tokenizer-path": 1, "--prometheus-host": 1,
     "--prometheus-port": 1, "--health-check-interval-secs": 1,
     "--health-failure-threshold": 1, "--health-success-threshold": 1,
-    "--health-check-timeout-secs": 1, "--cb-failure-threshold": 1,
-    "--cb-timeout-duration-secs": 1, "--worker-startup-timeout-secs": 1,
+    "--health-check-timeout-secs": 1, "--retry-max-retries": 1,
+    "--retry-initial-backoff-ms": 1, "--retry-max-backoff-ms": 1,
+    "--retry-backoff-multiplier": 1, "--retry-jitter-factor": 1,
+    "--disable-circuit-breaker": 0, "--worker-startup-timeout-secs": 1,
     "--request-timeout-secs": 1, "--log-level": 1,
 }
+# Run by the router venv's Python as `-c`: the key from stdin into sys.argv, in memory only,
+# then the launcher `-m sglang_router.launch_router` would have run (module docstring).
+KEY_ON_STDIN: Final = (
+    "import os, runpy, sys\n"
+    "key = sys.stdin.readline().strip()\n"
+    "null = os.open(os.devnull, os.O_RDONLY); os.dup2(null, 0); os.close(null)\n"
+    "if not key: sys.exit('appliance: the router was given no engine key on its stdin')\n"
+    "sys.argv = [sys.argv[0], *sys.argv[1:], '--api-key', key]\n"
+    f"runpy.run_module({ROUTER_MODULE!r}, run_name='__main__', alter_sys=True)\n")
 _ENV_NAME = re.compile(r"HF_[A-Z0-9_]+")
 _KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{31,127}")  # appliance.secrets.ENGINE_KEY_RE
 
@@ -68,6 +83,23 @@ def check_router_spec(spec: RouterSpec) -> list[str]:
             problems.append(f"the environment variable {name!r} is not one the router may be "
                             "given (HF_* only)")
     return problems
+
+
+def launch_argv(spec: RouterSpec) -> list[str]:
+    """What runs: the spec's Python with the key-reading launcher and the spec's arguments
+    (the key itself goes to its stdin)."""
+    return [spec.command[0], "-c", KEY_ON_STDIN, *spec.args]
+
+
+def key_pipe(key: str) -> int:
+    """A pipe's read end holding `key` and a newline, its write end already closed (the key
+    is far below a pipe's buffer, so the write never blocks)."""
+    read, write = os.pipe()
+    try:
+        os.write(write, key.encode() + b"\n")
+    finally:
+        os.close(write)
+    return read
 
 
 def read_key(path: Path) -> str:
@@ -110,6 +142,9 @@ def exec_router(path: Path, router_dir: Path | None = None) -> NoReturn:
             "flags the appliance writes: let the daemon rewrite the spec", exit_code=EX_USAGE)
     env = child_environment()
     env.update(dict(spec.env))
-    argv = [*spec.argv(), "--api-key", key]
+    argv = launch_argv(spec)
+    stdin = key_pipe(key)
+    os.dup2(stdin, 0)  # the launcher reads the key there; dup2 leaves fd 0 inheritable
+    os.close(stdin)
     sys.stdout.flush()
     os.execve(argv[0], argv, env)  # noqa: S606 - the whole point: become the router

@@ -5,9 +5,10 @@ adapters), like `appliance.engine.runner` does for the engine.
   appliance-router.service`. The unit's ExecStart names the spec file itself
   (`appliance cell exec-router --spec …`), so a restart is how a rewritten spec takes effect;
   polkit lets the daemon's user do these three things to this one unit.
-- `ProcessRouterRunner` (development, the demo, CI): the spec's argv plus `--api-key KEY` (read
-  from the spec's key file, as exec-router does) as a detached process with the spec's
-  environment (`HF_HUB_OFFLINE=1`), output appended to `state_dir/router/router.log`. Its
+- `ProcessRouterRunner` (development, the demo, CI): the spec's arguments under the same
+  launcher exec-router uses (`router_exec.launch_argv`), the key read from the spec's key file
+  and written to the router's stdin, never onto its command line, as a detached process with
+  the spec's environment (`HF_HUB_OFFLINE=1`), output appended to `state_dir/router/router.log`. Its
   identity (pid and start time) is kept in `state_dir/router/router.pid`, so a restarted
   daemon finds the router it started and never signals a stranger with a reused pid. Stopped
   with SIGTERM to its process group, then SIGKILL after `grace` seconds.
@@ -31,7 +32,7 @@ import psutil
 
 from appliance.atomic import write_atomic
 from appliance.cell.router import RouterSpec
-from appliance.cell.router_exec import read_key
+from appliance.cell.router_exec import launch_argv, read_key
 from appliance.engine.runner import EngineIdentity, same_process
 from appliance.errors import ApplianceError
 from appliance.sdnotify import child_environment
@@ -116,8 +117,13 @@ class ProcessRouterRunner:
         log: IO[bytes]
         with self.log_path.open("ab") as log:
             proc = subprocess.Popen(
-                [*spec.argv(), "--api-key", key], stdin=subprocess.DEVNULL, stdout=log,
+                launch_argv(spec), stdin=subprocess.PIPE, stdout=log,
                 stderr=subprocess.STDOUT, env=env, start_new_session=True, close_fds=True)
+        if proc.stdin is not None:  # the launcher reads one line, then closes its stdin
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.write(key.encode() + b"\n")
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
         self._child = proc
         try:
             started = psutil.Process(proc.pid).create_time()

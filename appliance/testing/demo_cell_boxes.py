@@ -56,7 +56,7 @@ GATEWAY_PORT, BOOTSTRAP_PORT, ROUTER_PORT = 8000, 8998, 30100
 DEMO_ADMIN: Final = "cell-demo"
 # Smoke (tests): the daemons poll fast and the router checks its workers every second.
 FAST_ROUTER: Final = {"health_interval_secs": 1, "health_failure_threshold": 1,
-                      "health_success_threshold": 1, "cb_timeout_secs": 1}
+                      "health_success_threshold": 1}
 FAST_POLLS: Final = {"engine_poll_seconds": 0.2, "cell_poll_seconds": 0.5}
 
 
