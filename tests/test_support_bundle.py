@@ -8,14 +8,20 @@ server.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime as dt
 import io
 import json
+import os
+import shutil
 import sys
 import tarfile
+import tempfile
+import tomllib
 from pathlib import Path
 
+import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -30,11 +36,12 @@ from appliance.db.schema import migrate
 from appliance.engine.records import open_run, update_run
 from appliance.gateway.keys import create_key
 from appliance.ops.bundle import FILE_CAP, LOG_LINES, build, parse_since
+from appliance.ops.cli import live_parts
 from appliance.ops.redact import Redactor, for_box, secret_keys
 from appliance.resources import migrations_dir
 from appliance.runtime import Runtime
 from appliance.secrets import engine_api_key, server_secret
-from tests.conftest import PASSWORD, Console, csrf, free_port, run_cli, wait_for
+from tests.conftest import PASSWORD, Console, add_admin, csrf, free_port, run_cli, wait_for
 
 NOW = dt.datetime(2026, 5, 1, 12, 0, tzinfo=dt.UTC)
 HUB_TOKEN = "hf_PlantedHubTokenAbcdefghijklmnop1234"
@@ -310,3 +317,183 @@ def test_api_builds_a_bundle_and_refuses_without_login(runtime: Runtime,
         assert anonymous.http.post("/api/v1/support-bundle").status_code in (401, 403)
     finally:
         anonymous.close()
+
+
+# --- what a compromised service can plant (issue 22) ------------------------------------------
+
+
+def _readme(members: dict[str, bytes]) -> str:
+    return members["README.txt"].decode()
+
+
+def test_a_link_planted_in_the_log_folder_is_refused_and_said_so(tmp_path: Path) -> None:
+    """`x.log -> /root/.ssh/id_ed25519` in the service-owned log folder, a FIFO beside it,
+    and an engine run whose record names the key file as its log: none is read, the README
+    says each, and the legitimate logs are still there."""
+    config_path, _ = _plant(tmp_path)
+    config = load_config(config_path, env={})
+    private = tmp_path / "root" / ".ssh" / "id_ed25519"
+    private.parent.mkdir(parents=True)
+    private.write_text("-----BEGIN OPENSSH PRIVATE KEY----- PLANTED-ROOT-KEY\n")
+    private.chmod(0o600)
+    log_dir = config.paths.log_dir
+    (log_dir / "x.log").symlink_to(private)
+    os.mkfifo(log_dir / "pipe.log")  # would hang a plain open() for ever
+    db = Database(config.database_url)
+    db.call(lambda s: open_run(s, at=NOW, runner="process", spec_hash="def456",
+                               spec_json="{}", attempt=2, state="LAUNCHING",
+                               log_path=str(private)))
+    db.dispose()
+    out = tmp_path / "b.tar.gz"
+
+    build(config, out, actor="test", now=NOW, since=dt.timedelta(days=3650))
+
+    members = _members(out)
+    for name, data in members.items():
+        assert b"PLANTED-ROOT-KEY" not in data, f"the planted link was followed into {name}"
+    readme = _readme(members)
+    assert f"{log_dir / 'x.log'} is a symbolic link (to {private})" in readme
+    assert "never follows links" in readme
+    assert f"{log_dir / 'pipe.log'} is not a regular file" in readme
+    assert f"{private}: an engine run's record names this log, not the configuration" in readme
+    assert "logs/daemon.log" in members and "engine/logs/0-engine.log" in members
+    assert "logs/x.log" not in members and "logs/pipe.log" not in members
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: reads another user's folder as it")
+def test_as_root_a_service_owned_folder_is_read_as_its_owner() -> None:
+    """Run as root, the bundle reads the service's log folder as the folder's owner: a hard
+    link there to a file only root may read (what `fs.protected_hardlinks=0` would let a
+    compromised service make) is refused; the service's own log is read."""
+    root = Path(tempfile.mkdtemp(prefix="bundle-owner-"))
+    try:
+        root.chmod(0o755)  # the service user must reach its folders, as on a real box
+        config = load_config(_write_config(root), env={})
+        log_dir = config.paths.log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        service = 64123  # a uid with no name: the "appliance" user of this box
+        os.chown(log_dir, service, service)
+        secret = root / "shadow"
+        secret.write_text("PLANTED-ROOT-ONLY-LINE\n")
+        secret.chmod(0o600)
+        os.link(secret, log_dir / "hard.log")
+        own = log_dir / "daemon.log"
+        own.write_text("the service's own line\n")
+        os.chown(own, service, service)
+        out = root / "b.tar.gz"
+
+        build(config, out, actor="test", now=NOW, since=dt.timedelta(days=1))
+
+        members = _members(out)
+        for name, data in members.items():
+            assert b"PLANTED-ROOT-ONLY-LINE" not in data, f"read as root into {name}"
+        assert members["logs/daemon.log"] == b"the service's own line\n"
+        assert f"{log_dir / 'hard.log'} cannot be read: Permission denied" in _readme(members)
+    finally:
+        shutil.rmtree(root)
+
+
+# --- the redaction table: values, not words (issue 22) ----------------------------------------
+
+
+def test_cell_tokens_and_member_credentials_are_redacted(tmp_path: Path) -> None:
+    path = _write_config(tmp_path)
+    config = load_config(path, env={})
+    cell = config.paths.state_dir / "secrets" / "cell"
+    cell.mkdir(parents=True)
+    member_key = "MemberCredentialPlanted0123456789abcdef"
+    (cell / "member-2.key").write_text(member_key + "\n")
+    join = "acj_" + "J" * 43
+    peer = "acp_0a1b2c3d_" + "P" * 43
+    redact = for_box(config)
+
+    text = redact(f"join {join} peer {peer} sent Authorization: x {member_key}")
+
+    for value in (join, peer, member_key):
+        assert value not in text
+    assert "[redacted: cell join token]" in text
+    assert "[redacted: cell peer credential]" in text
+    assert "[redacted: cell member credential]" in text
+
+
+def test_figures_named_like_tokens_are_kept() -> None:
+    redact = Redactor()
+    kept = ("Decode batch. #running-req: 3, #token: 4096, #new-token: 6, #cached-token: 120, "
+            "#pending-token: 0, token usage: 0.02, gen throughput (token/s): 41.2\n"
+            "server_args=ServerArgs(bucket_time_to_first_token=[0.1, 0.5], "
+            "kt_max_deferred_experts_per_token=None, enable_streaming_session=False, "
+            "api_key=None, max_prefill_tokens=16384)")
+    assert redact(kept) == kept
+    assert not redact.counts
+    # The values beside the same words still go.
+    gone = redact("token=Zq81abcdefgh api_key='eng-key-0123' session=abcdef123456")
+    assert "Zq81abcdefgh" not in gone and "eng-key-0123" not in gone
+    assert "abcdef123456" not in gone
+    assert "api_key='[redacted: secret]'" in gone  # still quoted
+
+
+def test_json_and_toml_are_redacted_structurally() -> None:
+    redact = Redactor()
+    runs = json.dumps({"runs": [{"reason": "api_key: 'k-0123456789' refused",
+                                 "figures": {"api_key": "k-0123456789", "tokens": 12},
+                                 "env": {"HF_TOKEN": "plain-value-1"}}]})
+
+    out = json.loads(redact.structured("engine/runs.json", runs))
+
+    run = out["runs"][0]
+    assert run["figures"] == {"api_key": "[redacted: secret]", "tokens": 12}
+    assert run["env"] == {"HF_TOKEN": "[redacted: secret]"}
+    assert "k-0123456789" not in run["reason"]
+    toml = 'token = "hf_PlantedHubTokenAbcdefghijklmnop1234"\nkeep = 3\n'
+    redacted = redact.structured("config/appliance.toml", toml)
+    assert tomllib.loads(redacted) == {"token": "[redacted: Hub token]", "keep": 3}
+
+
+# --- what the README says is true (issue 23) --------------------------------------------------
+
+
+def test_the_process_runners_launch_spec_comes_from_the_database(tmp_path: Path) -> None:
+    config_path, _ = _plant(tmp_path)
+    config = load_config(config_path, env={})
+    (config.paths.state_dir / "engine" / "launch-spec.json").unlink()  # never written here
+    db = Database(config.database_url)
+    db.call(lambda s: open_run(s, at=NOW, runner="process", spec_hash="f00d",
+                               spec_json=json.dumps({"argv": ["sglang", "serve", "--api-key",
+                                                              "x"], "api_key": "spec-key-1"}),
+                               attempt=1, state="READY", log_path=""))
+    db.dispose()
+    out = tmp_path / "b.tar.gz"
+
+    build(config, out, actor="test", now=NOW, since=dt.timedelta(days=1))
+
+    members = _members(out)
+    spec = json.loads(members["engine/launch-spec.json"])
+    assert spec["argv"][:2] == ["sglang", "serve"] and spec["api_key"] == "[redacted: secret]"
+    readme = _readme(members)
+    assert "never launched" not in readme
+    assert "from the database: the process runner keeps no spec file" in readme
+
+
+def test_the_cli_bundle_asks_a_running_daemon_for_its_live_health(
+        runtime: Runtime, server: object, tmp_path: Path) -> None:
+    from appliance.ops.cli import run as bundle_cli
+
+    add_admin(runtime)
+    out = tmp_path / "live.tar.gz"
+    args = argparse.Namespace(since="1h", out=out, lines=None)
+
+    assert bundle_cli(args, runtime.config) == 0
+
+    members = _members(out)
+    assert "checks" in json.loads(members["health/current.json"])
+    assert "made without the daemon" not in _readme(members)
+
+
+def test_the_cli_bundle_says_why_when_no_daemon_answers(tmp_path: Path) -> None:
+    config = load_config(_write_config(tmp_path), env={})
+    out = tmp_path / "b.tar.gz"
+    extra, note = live_parts(config)
+    build(config, out, actor="test", now=NOW, extra=extra, daemon_note=note)
+    readme = _readme(_members(out))
+    assert "health/current.json" not in readme
+    assert f"the daemon does not answer on port {config.server.port}" in readme

@@ -245,13 +245,15 @@ CLI_COMMANDS: Final[dict[str, tuple[Route, ...]]] = {
     "cell role": (("POST", f"{_CELL}/members/{{member_id}}/role"),),
     "cell rolling-restart": (("POST", f"{_CELL}/rolling-restart"), ("GET", _CELL)),
     "cell plan": (("GET", f"{_CELL}/plan"),),
+    # local first; a daemon that answers adds its live health snapshot
+    "support-bundle": (("GET", "/api/v1/health"),),
 }
 
 # Commands that never go through the daemon: they act on the state directory and database
 # directly, so the box's own file permissions (root or the appliance user) are their guard.
 # Accounts, tokens, keys, backup and restore among them are admin work by nature.
 CLI_LOCAL: Final[frozenset[str]] = frozenset({
-    "serve", "gateway", "migrate", "doctor", "support-bundle", "backup", "restore",
+    "serve", "gateway", "migrate", "doctor", "backup", "restore",
     "admin create", "admin reset-password", "admin set-role", "admin list",
     "token create", "token list", "token revoke",
     "keys create", "keys list", "keys revoke", "keys limits",

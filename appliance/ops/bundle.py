@@ -11,7 +11,12 @@ for the archive or raising `Skip` with the reason. Invariants:
   not the bundle); each file at most `FILE_CAP` bytes (its end kept: logs matter at the end);
   the archive at most `TOTAL_CAP` bytes before compression; logs are tails of `log_lines`.
 - **No daemon needed.** It reads the configuration, the database and the files directly; the
-  daemon adds what only it knows (the live health snapshot, NVML's Xid history) as `extra`.
+  daemon adds what only it knows (the live health snapshot, NVML's Xid history) as `extra`
+  (the CLI asks a daemon that answers for it; `daemon_note` says why when none did).
+- **Nothing planted is followed.** Files come through `appliance.ops.readsafe`: no link
+  below a configured folder is opened, only paths the configuration names are read (never a
+  path from a database row), and run as root a service-owned folder is read as its owner;
+  each refusal is listed in the README.
 - **Audited.** Each bundle writes a `support.bundle` audit entry when the database is there.
 
 `build()` blocks (subprocesses, NVML, disk): the daemon runs it in a worker thread.
@@ -81,6 +86,8 @@ class Context:
     gpus: GpuPort | None = None
     log_lines: int = LOG_LINES
     extra: tuple[Part, ...] = ()
+    daemon_note: str = ""  # why `extra` is empty (the daemon did not answer, and why)
+    refused: list[str] = field(default_factory=list)  # files not read, and why (README)
     _gpu_snapshot: GpuSnapshot | None = field(default=None, repr=False)
 
     def need_db(self) -> Database:
@@ -213,7 +220,7 @@ def collect(ctx: Context, collectors: Sequence[Collector], redactor: Redactor,
             skipped.append(Skipped(collector.name, redactor(found)))
             continue
         for part in found:
-            text = redactor(part.data.decode("utf-8", errors="replace"))
+            text = redactor.structured(part.path, part.data.decode("utf-8", errors="replace"))
             data, cut = _bounded(text.encode(), FILE_CAP)
             about = part.about + (f" (truncated to its last {FILE_CAP // 2**20} MB)"
                                   if cut else "")
@@ -259,6 +266,12 @@ def readme(config: Config, ctx: Context, parts: Sequence[Part], skipped: Sequenc
         *(f"{s.what}: {s.reason}" for s in skipped),
         *(["(everything was collected)"] if not skipped else []),
         "",
+        "Refused (never read)",
+        "--------------------",
+        "A bundle opens no link in the appliance's folders, reads only the files the",
+        "configuration names, and run as root reads a service-owned folder as its owner.",
+        *(ctx.refused or ["(nothing was refused)"]),
+        "",
         "Redaction",
         "---------",
         "Every file above was redacted before it was written. A removed value reads",
@@ -301,12 +314,14 @@ def build(
     config: Config, out: Path, *, actor: str, address: str = "",
     since: dt.timedelta | dt.datetime = DEFAULT_SINCE, now: dt.datetime | None = None,
     db: Database | None = None, gpus: GpuPort | None = None, extra: Sequence[Part] = (),
-    log_lines: int = LOG_LINES, collectors: Sequence[Collector] | None = None,
+    daemon_note: str = "", log_lines: int = LOG_LINES,
+    collectors: Sequence[Collector] | None = None,
 ) -> Bundle:
     """Collect, redact and write the bundle to `out` (atomically, 0600); audit it.
 
     `db`: the daemon's database (else it is opened here, and closed); `gpus`: the daemon's
-    GPU port (else NVML is opened here); `extra`: parts only the daemon has."""
+    GPU port (else NVML is opened here); `extra`: parts only the daemon has (`daemon_note`:
+    why there are none, when there are none)."""
     from appliance.ops.collectors import COLLECTORS
 
     now = now or dt.datetime.now(dt.UTC)
@@ -316,7 +331,8 @@ def build(
     if db is None:
         db, db_error = _open_db(config)
     try:
-        ctx = Context(config, now, start, db, db_error, gpus, log_lines, tuple(extra))
+        ctx = Context(config, now, start, db, db_error, gpus, log_lines, tuple(extra),
+                      daemon_note)
         redactor = for_box(config)
         parts, skipped = collect(ctx, COLLECTORS if collectors is None else collectors,
                                  redactor)

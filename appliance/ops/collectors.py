@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
 from collections import Counter
@@ -30,6 +31,7 @@ SUBPROCESS_TIMEOUT_S = 45.0
 JOURNAL_UNITS = ("appliance", "appliance-gateway")
 UNITS = ("appliance", "appliance-gateway", "appliance-engine", "appliance-router")
 QUARANTINE_LISTED = 1000
+FILE_SPEC_CAP = 4 * 1024 * 1024  # a launch spec or a configuration file: whole, or refused
 
 
 def _json(value: Any) -> bytes:
@@ -71,21 +73,24 @@ def _under_systemd() -> None:
         raise Skip("not running under systemd (no /run/systemd/system)")
 
 
-def tail(path: Path, lines: int, cap: int = 8 * 1024 * 1024) -> bytes:
+def tail(path: Path, lines: int, cap: int = 8 * 1024 * 1024, *, root: Path | None = None,
+         ctx: Context | None = None) -> bytes:
     """The last `lines` lines of `path`, reading at most `cap` bytes from its end (a 100 GB
-    log costs the same as a small one)."""
+    log costs the same as a small one). Read through `readsafe`: no link below `root` (the
+    configured folder it lies in; default its own folder) is followed, and run as root the
+    read is the folder owner's. A refusal is noted in `ctx` (the README lists it) and skips
+    the file."""
+    from appliance.ops.readsafe import Refused, read_as_owner
+
+    root = root or path.parent
     try:
-        with path.open("rb") as handle:
-            size = handle.seek(0, os.SEEK_END)
-            start = max(0, size - cap)
-            handle.seek(start)
-            data = handle.read()
-    except FileNotFoundError:
-        raise Skip(f"{path} does not exist") from None
-    except OSError as exc:
-        raise Skip(f"{path} cannot be read: {exc.strerror or exc}") from None
+        data = read_as_owner(root, path.relative_to(root).as_posix(), cap)
+    except Refused as exc:
+        if ctx is not None and "does not exist" not in str(exc):
+            ctx.refused.append(str(exc))
+        raise Skip(str(exc)) from None
     kept = data.splitlines(keepends=True)
-    if start > 0 and kept:
+    if len(data) >= cap and kept:
         kept = kept[1:]  # the first line was cut by the cap
     return b"".join(kept[-lines:])
 
@@ -159,10 +164,11 @@ def configuration(ctx: Context) -> list[Part]:
     source = Path(config.source)
     if source.is_absolute() and source.is_file():
         try:
-            parts.append(Part("config/appliance.toml", source.read_bytes(),
+            parts.append(Part("config/appliance.toml",
+                              tail(source, 1 << 30, cap=FILE_SPEC_CAP, ctx=ctx),
                               f"the configuration file {source}, secrets redacted"))
-        except OSError as exc:
-            parts.append(Part("config/appliance.toml", f"cannot read {source}: {exc}".encode(),
+        except Skip as exc:
+            parts.append(Part("config/appliance.toml", f"# not read: {exc}\n".encode(),
                               "the configuration file could not be read"))
     names = sorted(k for k in os.environ if k.startswith("APPLIANCE_") or k == "HF_TOKEN")
     parts.append(Part("config/environment.txt",
@@ -232,29 +238,50 @@ def journal(ctx: Context) -> list[Part]:
 
 
 def own_logs(ctx: Context) -> list[Part]:
-    """Files in the log directory other than the engine's (a dev or demo daemon's output)."""
+    """Files in the log directory other than the engine's (a dev or demo daemon's output).
+    Listed without following links; a link or anything but a plain file is refused."""
     log_dir = ctx.config.paths.log_dir
     try:
-        found = sorted(p for p in log_dir.glob("*.log") if p.is_file() and p.name != "engine.log")
+        found = sorted(p for p in log_dir.glob("*.log") if p.name != "engine.log")
     except OSError as exc:
         raise Skip(f"{log_dir} cannot be listed: {exc.strerror or exc}") from None
-    if not found:
+    parts = []
+    for path in found:
+        with contextlib.suppress(Skip):  # the refusal is in ctx.refused
+            parts.append(Part(f"logs/{path.name}", tail(path, ctx.log_lines, ctx=ctx),
+                              f"last lines of {path}"))
+    if not parts:
         raise Skip(f"no daemon or gateway log files in {log_dir} (under systemd they are in "
                    "the journal)")
-    return [Part(f"logs/{p.name}", tail(p, ctx.log_lines), f"last lines of {p}") for p in found]
+    return parts
 
 
 # --- the engine ----------------------------------------------------------------------------
 
 
 def launch_spec(ctx: Context) -> list[Part]:
-    path = ctx.config.paths.state_dir / "engine" / "launch-spec.json"
+    """The spec the engine was launched with: the file the systemd runner writes (its unit
+    reads it), else the last run's spec as the database records it (the process runner
+    writes no file)."""
+    from appliance.engine.records import list_runs
+
+    state_dir = ctx.config.paths.state_dir
+    path = state_dir / "engine" / "launch-spec.json"
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise Skip(f"no launch spec at {path} (the engine was never launched)") from None
-    return [Part("engine/launch-spec.json", data,
-                 "the engine's launch spec: argv, environment, each flag's origin")]
+        data = tail(path, 1 << 30, cap=FILE_SPEC_CAP, root=state_dir, ctx=ctx)
+        return [Part("engine/launch-spec.json", data,
+                     f"the engine's launch spec ({path}): argv, environment, each flag's "
+                     "origin")]
+    except Skip as exc:
+        why = str(exc)
+    runs = ctx.need_db().call(lambda s: list_runs(s, 1))
+    if not runs:
+        raise Skip(f"no launch spec: the engine was never launched ({why})")
+    run = runs[0]
+    return [Part("engine/launch-spec.json", run.spec_json.encode(),
+                 f"the launch spec of the last engine run (run {run.id}, "
+                 f"{run.started_at:%Y-%m-%d %H:%M:%S}), from the database: the "
+                 f"{run.runner} runner keeps no spec file")]
 
 
 def engine_runs(ctx: Context) -> list[Part]:
@@ -280,30 +307,24 @@ def engine_runs(ctx: Context) -> list[Part]:
 
 
 def engine_logs(ctx: Context) -> list[Part]:
-    """The tail of each engine log the recent runs wrote, and the current one."""
+    """The tail of the engine log the configuration names (the runner's one file). A run's
+    recorded `log_path` is a row a compromised daemon could rewrite, so it is never opened:
+    one that names another file is noted in the README instead."""
     from appliance.runtime import engine_runner
 
-    paths: list[Path] = []
+    path = engine_runner(ctx.config).engine_log(ctx.config.paths.log_dir)
     if ctx.db is not None:
         from appliance.engine.records import list_runs
 
         with contextlib.suppress(Exception):  # engine_runs reports the database's trouble
-            paths = [Path(r.log_path) for r in ctx.db.call(lambda s: list_runs(s, RUNS))
-                     if r.log_path]
-    paths.append(engine_runner(ctx.config).engine_log(ctx.config.paths.log_dir))
-    parts: list[Part] = []
-    why: list[str] = []
-    for number, path in enumerate(dict.fromkeys(paths)):
-        try:
-            data = tail(path, ctx.log_lines)
-        except Skip as exc:
-            why.append(str(exc))
-            continue
-        parts.append(Part(f"engine/logs/{number}-{path.name}", data,
-                          f"last {ctx.log_lines} lines of {path}"))
-    if not parts:
-        raise Skip("; ".join(why) or "no engine log")
-    return parts
+            named = {r.log_path for r in ctx.db.call(lambda s: list_runs(s, RUNS))
+                     if r.log_path and Path(r.log_path) != path}
+            ctx.refused.extend(
+                f"{other}: an engine run's record names this log, not the configuration "
+                f"({path}); not read (a bundle reads only paths the configuration names)"
+                for other in sorted(named))
+    data = tail(path, ctx.log_lines, ctx=ctx)
+    return [Part(f"engine/logs/0-{path.name}", data, f"last {ctx.log_lines} lines of {path}")]
 
 
 # --- GPUs ----------------------------------------------------------------------------------
@@ -411,8 +432,8 @@ def _quarantine(models_dir: Path) -> list[dict[str, Any]]:
         for path in sorted(root.rglob("*")):
             if len(found) >= QUARANTINE_LISTED:
                 return found
-            if path.is_file():
-                st = path.stat()
+            st = path.lstat()  # a link planted here is listed as one, never followed
+            if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
                 found.append({"path": str(path), "bytes": st.st_size,
                               "moved_at": dt.datetime.fromtimestamp(st.st_mtime, dt.UTC)})
     return found
@@ -485,8 +506,9 @@ def journal_tables(ctx: Context) -> list[Part]:
 
 def daemon_extra(ctx: Context) -> list[Part]:
     if not ctx.extra:
-        raise Skip("the daemon's live state (health snapshot): the bundle was made without "
-                   "the daemon; health/recorded-levels.json has the last recorded levels")
+        why = ctx.daemon_note or "the bundle was made without the daemon"
+        raise Skip(f"the daemon's live state (health snapshot): {why}; "
+                   "health/recorded-levels.json has the last recorded levels")
     return list(ctx.extra)
 
 

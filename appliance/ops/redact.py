@@ -9,26 +9,35 @@ Two kinds of rule, applied to every text file before it enters an archive:
   contents of every configured secret file (`secret_files()`: `weights.token_file` …).
   Values are replaced wherever they appear, whatever the surrounding format.
 - **By pattern** (`PATTERNS`): credentials and user content of known shapes, wherever they came
-  from — gateway keys (`sk-…`), admin API tokens (`apt_…`), Hub tokens (`hf_…`), bearer and
-  basic authorization, argon2 password hashes, session and CSRF cookies, passwords in URLs,
-  `password=`/`token=`-style assignments, secrets in URL query strings, and prompt text
-  (SGLang's `--log-requests` lines, and `content`/`prompt`/`messages`-style fields).
+  from — gateway keys (`sk-…`), admin API tokens (`apt_…`), Hub tokens (`hf_…`), cell join
+  tokens (`acj_…`) and peer credentials (`acp_…`), bearer and basic authorization, argon2
+  password hashes, session and CSRF cookies, passwords in URLs, `password=`/`token=`-style
+  assignments, secrets in URL query strings, and prompt text (SGLang's `--log-requests`
+  lines, and `content`/`prompt`/`messages`-style fields).
 
 Each replacement reads `[redacted: <what>]`, so a reader knows something was there and what
-kind. Invariant: a value redacted by value is replaced before the patterns run, longest first,
-so a secret that contains another is never half-replaced. Prompt text that appears with no
-marker at all (a bare sentence in a log) cannot be told from any other line; the appliance
-itself never logs prompts, and SGLang only does with `--log-requests`, whose lines are caught.
+kind. Invariants: a value redacted by value is replaced before the patterns run, longest
+first, so a secret that contains another is never half-replaced; an assignment is redacted
+only where its name is a whole word (`token=`, `api_key:`), never a word that merely ends
+in one (`#new-token: 6`, `bucket_time_to_first_token`, `enable_streaming_session`), and a
+number or a boolean is never taken for a secret; a quoted value stays quoted, and a JSON
+file is redacted structurally (`Redactor.structured`), so what parsed before parses after.
+Prompt text that appears with no marker at all (a bare sentence in a log) cannot be told from
+any other line; the appliance itself never logs prompts, and SGLang only does with
+`--log-requests`, whose lines are caught.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+import tomllib
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from appliance.config import SECTIONS, Config
 
@@ -51,6 +60,16 @@ def _p(label: str, regex: str, flags: int = 0) -> Pattern:
     return Pattern(label, re.compile(regex, flags))
 
 
+# A name is a whole word: not preceded or followed by a letter, digit, "_" or "-", so
+# `#new-token: 6` and `kt_max_deferred_experts_per_token` are not assignments of a token.
+_CREDENTIAL_NAMES = (
+    r"password|passwd|pwd|secret|client_secret|token|access_token|refresh_token|auth_token|"
+    r"api_token|hf_token|id_token|api[_-]?key|admin_api_key|apikey|access[_-]?key|"
+    r"private[_-]?key|secret[_-]?key|webhook[_-]?url|ssl_keyfile_password")
+_WORD_START, _WORD_END = r"(?<![\w-])", r"(?![\w-])"
+_PLAIN_VALUE = r"(?:None|null|True|False|true|false|\d{1,6})(?![\w.:/-])"
+SECRET_NAME = re.compile(f"(?:{_CREDENTIAL_NAMES})", re.I)
+
 # Order matters: whole request-log lines first, then credentials of known shape, then the
 # generic assignments that would otherwise catch their remains.
 PATTERNS: tuple[Pattern, ...] = (
@@ -59,17 +78,20 @@ PATTERNS: tuple[Pattern, ...] = (
     _p("gateway key", r"\bsk-[A-Za-z0-9_-]{8,}"),
     _p("admin API token", r"\bapt_[A-Za-z0-9_-]{8,}"),
     _p("Hub token", r"\bhf_[A-Za-z0-9]{16,}"),
+    _p("cell join token", r"\bacj_[A-Za-z0-9_-]{16,}"),
+    _p("cell peer credential", r"\bacp_[0-9a-f]{8}_[A-Za-z0-9_-]{16,}"),
     _p("password hash", r"\$argon2(?:id|i|d)\$[^\s\"';]+"),
     _p("password hash", r"\$(?:2[aby]|5|6|y|scrypt|pbkdf2[\w-]*)\$[^\s\"',;]{16,}"),
-    _p("session cookie", r"((?:appliance_session|appliance_csrf|session|csrftoken)=)[^\s;\"',&]+"),
+    _p("session cookie", _WORD_START + r"((?:appliance_session|appliance_csrf|session|"
+       r"csrftoken)=)[^\s;\"',&]+"),
     _p("cookie", r"((?:^|[\s\"'])(?:set-)?cookie[\"']?\s*[:=]\s*[\"']?)[^\r\n\"']+", re.I),
     _p("credential", r"(\b(?:bearer|basic)\s+)[A-Za-z0-9._~+/=-]{6,}", re.I),
     _p("URL password", r"(\b[a-z][a-z0-9+.-]*://[^/\s:@\"']*:)[^@\s/\"']+(?=@)", re.I),
     _p("secret in URL", r"([?&](?:token|access_token|key|api_key|apikey|sig|signature|secret|"
        r"password|auth|code)=)[^&\s\"'#]+", re.I),
-    _p("secret", r"((?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|"
-       r"private[_-]?key|webhook[_-]?url)[\"']?\s*[:=]\s*)(?!\"?'?\[redacted)"
-       r"(?:" + _QUOTED + r"|[^\s\"',;&}\]]+)", re.I),
+    _p("secret", r"(" + _WORD_START + r"(?:" + _CREDENTIAL_NAMES + r")" + _WORD_END
+       + r"[\"']?\s*[:=]\s*)(?!\"?'?\[redacted)(?!" + _PLAIN_VALUE + r")"
+       r"(?:" + _QUOTED + r"|[^\s\"',;&})\]]+)", re.I),
     # Prompt text as a field: JSON (`"content": "…"`), Python reprs (`text='…'`), key=value.
     _p("prompt text", r"([\"']?\b(?:" + _PROMPT_FIELDS + r")\b[\"']?\s*[:=]\s*)"
        r"(?!\"?'?\[redacted)(?:" + _QUOTED + r")", re.I),
@@ -109,9 +131,59 @@ class Redactor:
         def replace(match: re.Match[str]) -> str:
             kept = match.group(1) if pattern.regex.groups else ""
             self.counts[pattern.label] += 1
-            return f"{kept}{marker(pattern.label)}"
+            value = match.group(0)[len(kept):]
+            quote = value[:1] if len(value) >= 2 and value[:1] in "\"'" \
+                and value.endswith(value[:1]) else ""
+            return f"{kept}{quote}{marker(pattern.label)}{quote}"  # a quoted value stays so
 
         return replace
+
+    def structured(self, path: str, text: str) -> str:
+        """`text` redacted as the file `path` is read: a JSON file value by value (a secret
+        field's value becomes the marker string, every other string is redacted as text), so
+        the result still parses; a TOML file as text, whose markers stay inside their quotes,
+        checked to parse again (else replaced by a note: settings.txt has the values masked);
+        anything else (or JSON that does not parse) as text."""
+        if path.endswith(".json"):
+            try:
+                value = json.loads(text)
+            except ValueError:
+                return self(text)
+            return json.dumps(self._walk(value), indent=2) + "\n"
+        redacted = self(text)
+        if path.endswith(".toml"):
+            try:
+                tomllib.loads(text)
+            except tomllib.TOMLDecodeError:
+                return redacted  # it did not parse before either: nothing to keep
+            try:
+                tomllib.loads(redacted)
+            except tomllib.TOMLDecodeError:
+                self.counts["configuration file (left out: its redaction would not parse)"] += 1
+                return ("# left out: this file's redacted form would not parse as TOML; "
+                        "config/settings.txt has every value, secrets masked\n")
+        return redacted
+
+    def _walk(self, value: Any, key: str = "") -> Any:
+        if isinstance(value, dict):
+            return {self(str(k)): self._walk(v, str(k)) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._walk(v, key) for v in value]
+        if isinstance(value, str):
+            # Redacted with its name beside it, as the text rules see a field ("cookie": …,
+            # "content": …); what comes back is one field again, or the whole value goes. A
+            # field named like a secret (`api_key`, `HF_TOKEN`) goes whatever its value.
+            try:
+                found = json.loads(self(json.dumps({key: value})))
+                (kept,) = found.values()
+            except (ValueError, AttributeError):
+                kept = None
+            if kept is None or (value and SECRET_NAME.fullmatch(key)
+                                and "[redacted" not in str(kept)):
+                self.counts["secret"] += 1
+                return marker("secret")
+            return kept
+        return value
 
     def summary(self) -> list[str]:
         """One line per kind redacted, most frequent first."""
@@ -152,11 +224,23 @@ def _read(path: Path) -> str | None:
         return None
 
 
+def _other_secrets(secrets_dir: Path) -> list[tuple[Path, str]]:
+    """Every other file under `secrets/` (a cell head's `cell/member-N.key` credentials, and
+    whatever a later release keeps there): a file in that folder is a secret by where it is."""
+    try:
+        found = sorted(p for p in secrets_dir.rglob("*") if p.is_file() and not p.is_symlink())
+    except OSError:
+        return []
+    return [(p, "cell member credential" if p.parent.name == "cell" else
+             f"secret file {p.relative_to(secrets_dir)}") for p in found]
+
+
 def for_box(config: Config, extra: Iterable[tuple[str, str]] = ()) -> Redactor:
     """A redactor that knows this box's secret values: the configuration's secret keys (and
     their secret parts: a database URL's password, a webhook's path and query), the Hub
-    token file, `server.key` and `engine-api.key` (read when this user may; a file that
-    cannot be read cannot leak either). `extra`: (value, label) pairs to add."""
+    token file, `server.key`, `engine-api.key` and every other file under `secrets/` (a cell
+    head's member credentials), read when this user may (a file that cannot be read cannot
+    leak either). `extra`: (value, label) pairs to add."""
     from urllib.parse import urlsplit
 
     from sqlalchemy.engine import make_url
@@ -166,6 +250,9 @@ def for_box(config: Config, extra: Iterable[tuple[str, str]] = ()) -> Redactor:
     secrets_dir = config.paths.state_dir / "secrets"
     redactor.add(_read(secrets_dir / "server.key"), "server secret")
     redactor.add(_read(secrets_dir / "engine-api.key"), "engine API key")
+    redactor.add(_read(secrets_dir / "engine-api.key.previous"), "engine API key")
+    for path, label in _other_secrets(secrets_dir):
+        redactor.add(_read(path), label)
     redactor.add(config.weights.token, "Hub token")
     for key, path in secret_files(config):
         redactor.add(_read(path), key)

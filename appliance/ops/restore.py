@@ -180,14 +180,19 @@ def check_schema(opened: OpenedBackup, script_location: Path) -> str:
     return revision
 
 
-def gateway_listening(config: Config) -> bool:
-    host = config.gateway.host
+def answers(host: str, port: int) -> bool:
+    """Whether something on this box accepts a connection at the address a service of the
+    box listens on (an unspecified address is reached on loopback)."""
     host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host  # noqa: S104
     try:
-        with socket.create_connection((host, config.gateway.port), timeout=1):
+        with socket.create_connection((host, port), timeout=1):
             return True
     except OSError:
         return False
+
+
+def gateway_listening(config: Config) -> bool:
+    return answers(config.gateway.host, config.gateway.port)
 
 
 def open_secrets(opened: OpenedBackup, passphrase: str | None) -> dict[str, bytes] | None:
