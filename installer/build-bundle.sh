@@ -6,7 +6,8 @@
 # The bundle is appliance-<version>/ holding the package (appliance/, migrations/, web/,
 # pyproject.toml), the units (systemd/), the installer, docs, a wheelhouse/ with every wheel
 # the virtual environments need (the daemon's dependencies, pip, the pinned sglang-router a
-# cell's head runs, and unless --no-engine the pinned sglang with torch and the rest: many GB)
+# cell's head runs, and unless --no-engine the pinned sglang with torch and the rest, and the KV
+# transfer library a prefill or decode engine loads (mooncake-transfer-engine-cuda13): many GB)
 # and SHA256SUMS over every file, which install.sh verifies before it changes anything. Then
 # appliance-<version>-linux-x86_64.tar and its .sha256 beside it, unless --no-tar.
 #

@@ -82,7 +82,7 @@ def render(source: Path) -> str:
 
 VALUES = (("paths", "state_dir"), ("paths", "models_dir"), ("paths", "log_dir"),
           ("server", "host"), ("server", "port"), ("server", "tls_cert"), ("database", "url"),
-          ("gateway", "host"), ("gateway", "port"))
+          ("gateway", "host"), ("gateway", "port"), ("cell", "role"))
 
 
 def values(source: Path, path: Path) -> str:

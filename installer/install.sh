@@ -63,6 +63,7 @@ defaults() {
   CFG_database_url=""
   CFG_gateway_host=0.0.0.0
   CFG_gateway_port=8000
+  CFG_cell_role=unified
 
   CHANGES=()
   NOTES=()
@@ -211,7 +212,8 @@ locate_source() {
     installer/router-requirements.txt appliance/cell/router.py \
     systemd/appliance.service systemd/appliance-gateway.service \
     systemd/appliance-gateway.socket systemd/appliance-router.service \
-    systemd/appliance-engine.service systemd/appliance.sysusers.conf \
+    systemd/appliance-engine.service systemd/appliance-engine-rdma.conf \
+    systemd/appliance.sysusers.conf \
     systemd/appliance.tmpfiles.conf systemd/50-appliance-engine.rules; do
     [[ -e $SRC/$path ]] || missing+=("$path")
   done
@@ -980,6 +982,25 @@ gateway_listen() {
   if ((WROTE)); then unit_written "$GATEWAY_SOCKET.d"; fi
 }
 
+# The engine unit's RDMA devices (systemd/appliance-engine-rdma.conf, as the drop-in
+# appliance-engine.service.d/rdma.conf) for a prefill or decode box, configured (cell.role) or
+# chosen by its head (<state_dir>/cell/role); a unified box's drop-in is removed, so its engine
+# keeps the NVIDIA devices only. The engine's next start picks it up (services() says so).
+engine_rdma() {
+  local role=$CFG_cell_role chosen="" dest="$UNIT_DIR/$ENGINE.d/rdma.conf" file
+  file=$(r "$CFG_paths_state_dir/cell/role")
+  if [[ -f $file ]]; then chosen=$(tr -d '[:space:]' <"$file" || true); fi
+  case $chosen in unified | prefill | decode) role=$chosen ;; esac
+  if [[ $role == prefill || $role == decode ]]; then
+    install_file "$SRC/systemd/appliance-engine-rdma.conf" "$dest" 0644 root root
+    if ((WROTE)); then unit_written "$ENGINE.d"; fi
+  elif [[ -e $(r "$dest") ]]; then
+    act "remove $dest (a unified box's engine needs no RDMA device)" rm -f -- "$(r "$dest")"
+    changed "$dest (removed: cell role $role)"
+    unit_written "$ENGINE.d"
+  fi
+}
+
 configuration() {
   step "configuration"
   ensure_dir "$ETC" 0750 root "$USER_NAME"
@@ -1310,6 +1331,7 @@ do_install() {
   configuration
   read_config_values
   gateway_listen
+  engine_rdma
   FIRST_DATABASE=1  # (a PostgreSQL database: cannot tell; the daemon knows)
   if [[ -z $CFG_database_url && -e $(r "$CFG_paths_state_dir/appliance.db") ]] &&
     ! grep -qx fresh <<<"$PENDING"; then

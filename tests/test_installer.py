@@ -40,6 +40,7 @@ from appliance.cell.router import DEFAULT_ROUTER_DIR, SGLANG_ROUTER_VERSION
 from appliance.config import Config, load_config
 from appliance.engine.exec_guard import check_program
 from appliance.engine.flags import SGLANG_VERSION
+from appliance.engine.pd_host import INSTALLED_BACKEND, TRANSFER_BACKENDS
 
 REPO = Path(__file__).resolve().parent.parent
 INSTALL = REPO / "installer" / "install.sh"
@@ -437,6 +438,12 @@ def test_the_engine_pin_is_the_sglang_the_daemon_models() -> None:
     assert pins == [f"sglang=={SGLANG_VERSION}"]
 
 
+def test_the_engine_environment_pins_the_kv_transfer_library_the_preflight_checks() -> None:
+    _, dist, pin = TRANSFER_BACKENDS[INSTALLED_BACKEND]
+    lines = (REPO / "installer" / "engine-requirements.txt").read_text().splitlines()
+    assert f"{dist}=={pin}" in lines
+
+
 def test_the_router_pin_is_the_sglang_router_the_daemon_writes_for() -> None:
     pins = [line for line in (REPO / "installer" / "router-requirements.txt").read_text()
             .splitlines() if line.startswith("sglang")]
@@ -808,6 +815,36 @@ def test_a_new_gateway_address_moves_the_socket_and_a_host_name_is_refused(
         in refused.output
     assert listen_streams(box) == ["", "[::]:8443"]  # left as it was
     assert box.active(SOCKET) and box.active(GATEWAY)
+
+
+RDMA_DROPIN = f"/usr/local/lib/systemd/system/{ENGINE}.d/rdma.conf"
+
+
+def test_a_prefill_or_decode_box_gets_the_engine_units_rdma_drop_in_and_a_unified_one_not(
+        installed: Box, src: Path) -> None:
+    box = installed
+    dropin = box.path(RDMA_DROPIN)
+    assert not dropin.exists()  # the default: unified
+    config = box.path("/etc/appliance/appliance.toml")
+    text = config.read_text()
+    assert "[cell]\n" in text
+    config.write_text(text.replace("[cell]\n", '[cell]\nrole = "decode"\n', 1))
+    run = box.install(src)
+    assert dropin.read_bytes() == (src / "systemd" / "appliance-engine-rdma.conf").read_bytes()
+    assert f"{ENGINE} changed: it takes effect at the engine's next start" in run.output
+    assert_engine_untouched(run)
+    config.write_text(text)  # unified again: the drop-in goes
+    run = box.install(src)
+    assert not dropin.exists() and "rdma.conf (removed: cell role unified)" in run.output
+    # a role the box's head chose (state_dir/cell/role) counts as the configured one does
+    chosen = box.path("/var/lib/appliance/cell/role")
+    chosen.parent.mkdir(parents=True, exist_ok=True)
+    chosen.write_text("prefill\n")
+    box.install(src)
+    assert dropin.is_file()
+    chosen.unlink()
+    box.install(src)
+    assert not dropin.exists()
 
 
 def failing_migration(src: Path) -> None:

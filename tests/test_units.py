@@ -59,6 +59,9 @@ UNIT_FILES = (*UNITS, SOCKET)
 UNIT_DIR = "usr/local/lib/systemd/system"  # where the installer puts vendor units (§0 item 5)
 PROGRAM = "/opt/appliance/current/venv/bin/appliance"
 POLKIT_RULE = SYSTEMD / "50-appliance-engine.rules"
+# A prefill or decode box's drop-in of the engine unit (the installer writes it as
+# appliance-engine.service.d/rdma.conf for those roles only)
+RDMA_CONF = "appliance-engine-rdma.conf"
 DAEMON_USER, ENGINE_USER, GROUP = "appliance", "appliance-engine", "appliance"
 
 # `systemd-analyze security` exposure measured on systemd 252 when the units were written: the
@@ -664,6 +667,35 @@ def test_device_classes_match_driver_580(units: dict[str, Unit]) -> None:
         units[ENGINE].all("DeviceAllow"))
 
 
+def pd_staging(staging: Path, tmp_path: Path) -> Path:
+    """The staging root with the RDMA drop-in where the installer puts it for a PD role."""
+    root = tmp_path / "pd-root"
+    shutil.copytree(staging, root, symlinks=True)
+    dropin = root / UNIT_DIR / f"{ENGINE}.d" / "rdma.conf"
+    dropin.parent.mkdir()
+    shutil.copy(SYSTEMD / RDMA_CONF, dropin)
+    return root
+
+
+def test_a_unified_engine_may_use_no_rdma_device(units: dict[str, Unit]) -> None:
+    assert not [rule for rule in units[ENGINE].all("DeviceAllow") if "infiniband" in rule]
+    assert units[ENGINE].get("DevicePolicy") == "closed"
+
+
+def test_a_pd_engine_may_use_exactly_the_verbs_and_rdma_cm_devices_and_keeps_its_hardening(
+        units: dict[str, Unit], staging: Path, tmp_path: Path) -> None:
+    """The drop-in adds the two rules and nothing else; the merged unit verifies with
+    nothing on stderr and scores no worse than the unified one."""
+    dropin = Unit.read(RDMA_CONF)
+    assert dropin.entries == [("Service", "DeviceAllow", "char-infiniband_verbs rw"),
+                              ("Service", "DeviceAllow", "/dev/infiniband/rdma_cm rw")]
+    root = pd_staging(staging, tmp_path)
+    done = run(tool("systemd-analyze"), "verify", f"--root={root}", "--man=no",
+               "--generators=no", str(root / UNIT_DIR / ENGINE))
+    assert (done.returncode, done.stderr, done.stdout) == (0, "", ""), done.stderr
+    assert exposure(root, ENGINE) <= exposure(staging, ENGINE) <= EXPOSURE_CEILING[ENGINE]
+
+
 def test_no_comment_trails_a_value() -> None:
     """`Key=value  # note` makes the note part of the value (and verify does not always say)."""
     for name in UNIT_FILES:
@@ -682,7 +714,7 @@ def test_no_key_newer_than_the_ci_systemd_in_the_main_units(units: dict[str, Uni
 def test_the_files_the_installer_copies_are_here() -> None:
     """installer/install.sh copies these by name."""
     for name in (*UNIT_FILES, "appliance.sysusers.conf", "appliance.tmpfiles.conf",
-                 POLKIT_RULE.name):
+                 POLKIT_RULE.name, RDMA_CONF):
         assert (SYSTEMD / name).is_file(), name
 
 
