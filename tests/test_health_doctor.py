@@ -11,6 +11,7 @@ loading one is not contacted at all, a FAILED one is CRITICAL; the report's text
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -275,3 +276,38 @@ def test_uncorrectable_ecc_is_judged_against_the_last_recorded_reading(
     found = next(r for r in report.results if r.id == "gpu.5.memory_errors")
     assert found.level is Level.CRITICAL
     assert "4 new uncorrectable ECC error(s) on GPU 5 since the last check" in found.summary
+
+
+def test_a_decode_box_is_told_of_a_missing_nic_and_transfer_library_before_a_load(
+        migrated: Config, tmp_path: Path) -> None:
+    """A fake /sys/class/infiniband with mlx5_0 down and no mlx5_1, an engine venv whose
+    python cannot import mooncake: both CRITICAL, each naming the device or the package and
+    the next step; a unified box has neither line."""
+    publish(migrated, "stopped")
+    assert not [r for r in diagnose(migrated, Engine()).results
+                if r.id in ("appliance.kv_transfer", "appliance.ib_devices")]
+    ib = tmp_path / "infiniband" / "mlx5_0" / "ports" / "1"
+    ib.mkdir(parents=True)
+    (ib / "state").write_text("1: DOWN\n")
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'mooncake'\" >&2\n"
+                      "exit 1\n")
+    python.chmod(0o755)
+    decode = dataclasses.replace(
+        migrated, engine=dataclasses.replace(migrated.engine, venv=tmp_path / "venv"),
+        cell=dataclasses.replace(migrated.cell, role="decode", ib_device="mlx5_0,mlx5_1"))
+    report = asyncio.run(run_doctor(decode, gpus=FakeGpus(8), ib_sysfs=tmp_path / "infiniband",
+                                    engine_transport=httpx.MockTransport(Engine())))
+    found = {r.id: r for r in report.results}
+    nic, lib = found["appliance.ib_devices"], found["appliance.kv_transfer"]
+    assert nic.level is Level.CRITICAL and "mlx5_1" in nic.summary and "ibv_devices" in nic.hint
+    assert lib.level is Level.CRITICAL and "mooncake" in lib.summary
+    assert "mooncake-transfer-engine-cuda13==0.3.14" in lib.hint
+    assert "RDMA devices: cell.ib_device names mlx5_1" in render(report)
+    (tmp_path / "infiniband" / "mlx5_1" / "ports" / "1").mkdir(parents=True)
+    (tmp_path / "infiniband" / "mlx5_1" / "ports" / "1" / "state").write_text("4: ACTIVE\n")
+    again = asyncio.run(run_doctor(decode, gpus=FakeGpus(8), ib_sysfs=tmp_path / "infiniband",
+                                   engine_transport=httpx.MockTransport(Engine())))
+    nic = {r.id: r for r in again.results}["appliance.ib_devices"]
+    assert nic.level is Level.CRITICAL and "no port up on mlx5_0" in nic.summary

@@ -7,7 +7,8 @@ The first thing to run on a new box, and what to attach to a support request. It
   the database (opens, schema at head), the state, models and log directories (exist and
   are writable by this user), the weights (a verified set recorded, no file of it damaged
   or quarantined, which is critical, and the quick tier of `appliance.weights.quick`
-  passing now);
+  passing now); for a prefill or decode box, the KV transfer library, the RDMA devices of
+  `cell.ib_device` with a port up and the engine unit's RDMA drop-in (`pd_checks`);
 - the GPU checks over NVML (`NvmlGpus`, in a thread, with `health.nvml_timeout_seconds`):
   a compute process outside the engine's process tree (the runner's record: none when no
   engine of ours runs) is a stranger, a WARN with its pid, GPU and memory; uncorrectable ECC
@@ -188,9 +189,12 @@ def _engine(level: Level, summary: str, hint: str = "") -> CheckResult:
 
 
 def engine_state_check(published: Any, daemon_running: bool, known: bool = True,
-                       ) -> CheckResult:
+                       now: dt.datetime | None = None) -> CheckResult:
     """What the supervisor last published (`engine.publish.Published`, or None); `known`
-    is False when the database could not be read."""
+    is False when the database could not be read. A qualification holding the gateway
+    closed (at `now`) is a warning: the engine serves, but no user gets in until it ends."""
+    from appliance.gateway.qualified import qualifying_until, refusal_words
+
     if not known:
         return _engine(Level.WARN, "not known: the database cannot be read",
                        "fix the database first (see above)")
@@ -206,7 +210,34 @@ def engine_state_check(published: Any, daemon_running: bool, known: bool = True,
     if published.state == EngineState.BACKOFF.value:
         return _engine(Level.WARN, summary,
                        "it crashed and the supervisor retries; see the Engine page")
+    until = qualifying_until(published, now or dt.datetime.now(dt.UTC))
+    if until is not None:
+        return _engine(Level.WARN, f"{summary}; the gateway is {refusal_words(until)}",
+                       "wait for it to end, or cancel it on the Qualification page or with "
+                       "`appliance qualify cancel`")
     return _engine(Level.OK, summary)
+
+
+def pd_checks(config: Config, ib_sysfs: Path | None = None) -> list[CheckResult]:
+    """A prefill or decode box's own needs (appliance.engine.pd_host: the KV transfer
+    library's import in the engine's python, the RDMA devices and their links, the unit's
+    RDMA drop-in), in the role its next launch uses; none for a unified box. What would stop
+    a launch is CRITICAL, so a new box learns it before a 90-minute load, not after. Blocks
+    (a child python): run it in a thread."""
+    from appliance.cell.role_choice import effective_role
+    from appliance.engine import pd_host
+    from appliance.engine.preflight import pd_facts
+
+    facts = pd_facts(config, effective_role(config), ib_sysfs or pd_host.IB_SYSFS)
+    if facts is None:
+        return []
+    return [_result(f"appliance.{f.name}", PD_TITLES.get(f.name, f.name),
+                    Level.OK if f.ok else Level.CRITICAL if f.blocking else Level.WARN,
+                    f.message, f.hint) for f in pd_host.evaluate(facts)]
+
+
+PD_TITLES = {"kv_transfer": "KV transfer library", "ib_devices": "RDMA devices",
+             "rdma_unit": "Engine unit RDMA access"}
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -244,7 +275,8 @@ async def engine_results(config: Config, db: Database | None, daemon_running: bo
         figures = await watcher.poll(state, clock.now())
     finally:
         await probe.aclose()
-    return [engine_state_check(published, daemon_running, known=db is not None),
+    return [engine_state_check(published, daemon_running, known=db is not None,
+                               now=clock.now()),
             *engine_checks(figures, config.health)]
 
 
@@ -286,7 +318,8 @@ def last_recorded(snapshot: GpuSnapshot,
 
 
 async def run_doctor(config: Config, *, gpus: GpuPort | None = None, clock: Clock | None = None,
-                     engine_transport: httpx.AsyncBaseTransport | None = None) -> Report:
+                     engine_transport: httpx.AsyncBaseTransport | None = None,
+                     ib_sysfs: Path | None = None) -> Report:
     """Every check once (see the module docstring); never raises for what it finds."""
     from appliance.gpu.nvml import NvmlGpus
     from appliance.health.gpu_checks import gpu_checks
@@ -299,7 +332,8 @@ async def run_doctor(config: Config, *, gpus: GpuPort | None = None, clock: Cloc
         snapshot_with_timeout, port, float(config.health.nvml_timeout_seconds)))
     daemon = daemon_check(config.paths.state_dir)
     own = [_result("appliance.config", "Configuration", Level.OK,
-                   f"loaded from {config.source}"), daemon, *directory_checks(config)]
+                   f"loaded from {config.source}"), daemon, *directory_checks(config),
+           *await asyncio.to_thread(pd_checks, config, ib_sysfs)]
     db = Database(config.database_url)
     recorded_ecc: dict[str, tuple[dt.datetime, float]] = {}
     try:
