@@ -23,6 +23,7 @@ from appliance.auth.throttle import LoginThrottle
 from appliance.cell.engine_key import EngineKeys, KeyedTransport
 from appliance.cell.local import LocalEngine
 from appliance.cell.role_choice import stored_role
+from appliance.cell.router_metrics import RouterFigures
 from appliance.cell.router_runner import ProcessRouterRunner, RouterRunner, SystemdRouterRunner
 from appliance.cell.watch import CellWatch
 from appliance.clock import Clock, SystemClock
@@ -33,6 +34,7 @@ from appliance.engine.publish import StatusPublisher
 from appliance.engine.runner import EngineRunner, ProcessRunner
 from appliance.engine.supervisor import Supervisor
 from appliance.engine.systemd_runner import UNIT_LOG, SystemdRunner
+from appliance.gateway.auth_throttle import AuthFailures
 from appliance.gpu.nvml import NvmlGpus
 from appliance.gpu.port import GpuPort
 from appliance.health.alerts import Alerts
@@ -66,6 +68,9 @@ class Runtime:
     engine_keys: EngineKeys
     # The cell watch (appliance.cell.watch): on a head, `cell.view` is its latest CellView.
     cell: CellWatch = field(init=False)
+    # Failed unauthenticated cell attempts per address (bad join tokens, forged peer
+    # credentials): appliance.cell.peer_auth answers 429 past the gateway's failed-key limits.
+    cell_attempts: AuthFailures = field(default_factory=AuthFailures)
     version: str = __version__
     started_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
     started_monotonic: float = 0.0
@@ -130,6 +135,7 @@ def build_runtime(
     cell_poll_seconds: float = 3.0,
     peer_transport: httpx.AsyncBaseTransport | None = None,
     router_options: dict[str, Any] | None = None,
+    router_figures: RouterFigures | None = None,
 ) -> Runtime:
     clock = clock or SystemClock()
     db = db or Database(config.database_url)
@@ -183,7 +189,7 @@ def build_runtime(
         config=config, db=db, clock=clock, local=LocalEngine(config, supervisor, engine_keys),
         runner=router or router_runner(config), alerts=health.alerts,
         audit=partial(audit, runtime), interval=cell_poll_seconds, transport=peer_transport,
-        router_options=router_options)
+        router_options=router_options, router_figures=router_figures)
     return runtime
 
 

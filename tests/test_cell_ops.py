@@ -13,6 +13,8 @@ wait is bounded (deadlines of seconds, polls of milliseconds).
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 import contextlib
 import datetime as dt
@@ -116,8 +118,14 @@ def test_a_step_is_refused_when_no_other_engine_of_its_role_is_ready() -> None:
     one, two = engine(1, "decode"), engine(2, "decode")
     assert step_refusal(one, [one, two, engine(3, "prefill", None)]) is None
     why = step_refusal(one, [one, engine(2, "decode", "warming"), engine(3, "prefill")])
-    assert why == ("restarting member 1 now would take the last READY decode member down "
+    assert why == ("restarting member 1 now would take the last serving decode member down "
                    "(member 2 not ready (warming))")
+    # Issue 25: READY on its box but not sent requests by the router is not serving.
+    unrouted = dataclasses.replace(two, routed=False)
+    assert step_refusal(one, [one, unrouted]) == (
+        "restarting member 1 now would take the last serving decode member down (member 2 "
+        "ready, but the router does not send to it)")
+    assert step_refusal(one, [one, dataclasses.replace(two, routed=True)]) is None
     assert step_refusal(one, [one]) == "member 1 is the only decode member left"
     assert step_refusal(one, [engine(1, "decode", "stopped"), two]) == (
         "member 1 is no longer READY (stopped)")
@@ -278,7 +286,7 @@ def test_a_step_that_would_take_the_last_ready_engine_down_is_not_taken() -> Non
     assert cell.restarted == ["member-2"]
     assert progress.state == "failed"
     assert progress.message == (
-        "stopped at member 3: restarting member 3 now would take the last READY decode member "
+        "stopped at member 3: restarting member 3 now would take the last serving decode member "
         "down (member 2 not ready (failed))")
 
     gone = FakeCell(CELL[:3])
@@ -736,9 +744,9 @@ def test_the_overview_puts_the_routers_view_beside_each_engine() -> None:
         Observed(member_row(2, "decode", DECODE1), "ok", answer=answer("decode", DECODE1)),
         Observed(member_row(3, "decode", DECODE2), "unreachable", "no answer within 5 s"),
     ]
-    view = build_view(EngineFacts(role="unified", state="stopped"), observed,
-                      router_running=True, at=at)
     router = RouterReading(up=True, scrape=parse_router_metrics(scrape("one_decode_down")))
+    view = build_view(EngineFacts(role="unified", state="stopped"), observed,
+                      router_running=True, at=at, router=router.scrape)
     usage = UsageWindow(300.0, 12, 3000, 820.0, 1900.0)
     overview = build_overview(view, router, usage, None)
     prefill, decode1, decode2 = overview.members

@@ -41,6 +41,7 @@ from appliance.cell.router import (
     router_spec_path,
     write_router_spec,
 )
+from appliance.cell.router_metrics import RouterReading, RouterScrape, WorkerFigures
 from appliance.cell.router_runner import ProcessRouterRunner
 from appliance.cell.view import (
     CellView,
@@ -96,9 +97,17 @@ UNIFIED_HEAD = EngineFacts(role="unified", state="ready", url="http://127.0.0.1:
                            key=HEAD_KEY)
 
 
-def view(observed: list[Observed], own: EngineFacts = UNIFIED_HEAD,
-         router: bool = True) -> CellView:
-    return build_view(own, observed, router_running=router, at=AT)
+def all_routed(observed: list[Observed], own: EngineFacts) -> RouterScrape:
+    """The router's scrape with every worker of the cell healthy and its circuit closed."""
+    workers = build_view(own, observed, router_running=False, at=AT).workers
+    return RouterScrape(workers={w.url: WorkerFigures(w.url, healthy=True, circuit="closed")
+                                 for w in workers})
+
+
+def view(observed: list[Observed], own: EngineFacts = UNIFIED_HEAD, router: bool = True,
+         scrape: RouterScrape | None = None) -> CellView:
+    return build_view(own, observed, router_running=router, at=AT,
+                      router=scrape or all_routed(observed, own))
 
 
 def test_a_ready_prefill_and_decode_serve_with_the_decodes_capacity() -> None:
@@ -119,6 +128,43 @@ def test_a_ready_prefill_and_decode_serve_with_the_decodes_capacity() -> None:
     down = view([ok(p, answer("prefill", "ready", "10.0.0.5", bootstrap=8998)),
                  ok(d1, answer("decode", "ready", "10.0.0.6", capacity=64))], router=False)
     assert down.active and not down.serving and "router is not running" in down.message
+
+
+def test_a_ready_engine_serves_only_once_the_router_sends_to_it() -> None:
+    """Issue 25: the head counted a member ready when it said READY, before the router had
+    taken it back, and users met the router's own 503 "No available decode workers"."""
+    p, d1, d2 = member(2, "10.0.0.5"), member(3, "10.0.0.6"), member(4, "10.0.0.7")
+    observed = [ok(p, answer("prefill", "ready", "10.0.0.5", capacity=32, bootstrap=8998)),
+                ok(d1, answer("decode", "ready", "10.0.0.6", capacity=64)),
+                ok(d2, answer("decode", "ready", "10.0.0.7", capacity=64))]
+    routed = all_routed(observed, UNIFIED_HEAD)
+    figures = dict(routed.workers)
+    figures["http://10.0.0.6:30000"] = WorkerFigures("http://10.0.0.6:30000", healthy=False,
+                                                     circuit="closed")
+    figures["http://10.0.0.7:30000"] = WorkerFigures("http://10.0.0.7:30000", healthy=True,
+                                                     circuit="open")
+    cell = view(observed, scrape=RouterScrape(workers=figures))
+    assert not cell.serving and cell.capacity == 0 and cell.capacity_total == 128
+    assert cell.message == (
+        "no decode member is ready: member 3 (10.0.0.6) is ready, but the router's health "
+        "checks have not taken it in yet; member 4 (10.0.0.7) is ready, but its circuit in "
+        "the router is open")
+    figures["http://10.0.0.7:30000"] = WorkerFigures("http://10.0.0.7:30000", healthy=True,
+                                                     circuit="closed")
+    one = view(observed, scrape=RouterScrape(workers=figures))
+    assert one.serving and one.capacity == 64  # only what the router sends to counts
+    half = dict(figures)
+    half["http://10.0.0.5:30000"] = WorkerFigures("http://10.0.0.5:30000", healthy=True,
+                                                  circuit="half open")
+    assert not view(observed, scrape=RouterScrape(workers=half)).serving
+    # A worker the router does not list yet, or no figures at all, is not confirmed either.
+    unlisted = view(observed, scrape=RouterScrape(workers={}))
+    assert "the router does not list it yet" in unlisted.message
+    blind = build_view(UNIFIED_HEAD, observed, router_running=True, at=AT, router=None)
+    assert not blind.serving and "the router's figures are not available" in blind.message
+    # Without the router running, the view says that, not each engine's router state.
+    stopped = build_view(UNIFIED_HEAD, observed, router_running=False, at=AT)
+    assert "router is not running" in stopped.message
 
 
 def test_a_missing_role_is_said_in_words_with_the_soonest_eta() -> None:
@@ -324,6 +370,15 @@ class RecordingRouter:
     async def running(self) -> bool:
         return self.up
 
+    async def read(self) -> RouterReading:
+        """Its figures (RouterFigures): while up, every worker of its spec healthy and its
+        circuit closed, as the real router says once its health checks pass."""
+        if not self.up or not self.specs:
+            return RouterReading(up=False, error="its metrics port did not answer")
+        return RouterReading(up=True, scrape=RouterScrape(workers={
+            w.url: WorkerFigures(w.url, healthy=True, circuit="closed")
+            for w in self.specs[-1].workers}))
+
 
 class RefusingRouter(RecordingRouter):
     """A router that cannot be started (systemctl refused, say)."""
@@ -339,7 +394,7 @@ def test_members_that_do_not_answer_keep_their_place_and_a_failing_router_is_tol
     """No server: the watch's poll over two members whose daemons do not answer (their rows
     hold the engines they reported before) and a router that cannot start."""
     router = RefusingRouter()
-    runtime = build_runtime(config, clock=clock, db=db, router=router)
+    runtime = build_runtime(config, clock=clock, db=db, router=router, router_figures=router)
     def register(s: Any) -> None:
         for n, (role, host) in enumerate((("prefill", "10.0.0.5"), ("decode", "10.0.0.6"))):
             added = add_member(  # a console address nothing listens on
@@ -408,7 +463,7 @@ def cell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cell]:
     head, head_db = start_box(tmp_path, "head", {
         "APPLIANCE_CELL_ROLE": "decode", "APPLIANCE_ENGINE_PORT": str(free_port()),
         "APPLIANCE_HEALTH_WEBHOOK_URL": "http://alerts.test/hook"},
-        router=router, cell_poll_seconds=0.2,
+        router=router, router_figures=router, cell_poll_seconds=0.2,
         webhook_transport=httpx.MockTransport(receiver))
     engine_port, bootstrap_port = free_port(), free_port()
     member_box, member_db = start_box(tmp_path, "member", {
@@ -551,7 +606,7 @@ def test_a_router_that_dies_is_started_again_in_seconds_then_less_often(
     """A router found down is started 5 s after its last start, then after 10 s, 20 s …
     while each start dies again; once one keeps running, the next death is met in 5 s."""
     router = RecordingRouter()
-    runtime = build_runtime(config, clock=clock, db=db, router=router)
+    runtime = build_runtime(config, clock=clock, db=db, router=router, router_figures=router)
 
     def register(s: Any) -> None:
         for n, role in enumerate(("prefill", "decode")):

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
+from collections.abc import Callable
 from functools import partial
 from typing import Any, Final
 
@@ -40,7 +41,12 @@ from appliance.cell.rolling import (
     Step,
     plan_rolling,
 )
-from appliance.cell.router_metrics import RouterMetricsReader, RouterReading, worker_for
+from appliance.cell.router_metrics import (
+    RouterMetricsReader,
+    RouterReading,
+    routing_problem,
+    worker_for,
+)
 from appliance.cell.rows import CellMemberRow
 from appliance.cell.view import PD_ROLES, CellView, build_view
 from appliance.engine.actions import run_action
@@ -292,30 +298,43 @@ class PeerEngines:
 
     async def engines(self) -> list[Engine]:
         """The cell's engines, the prefill and decode ones read live (the watch's view may
-        be a poll behind an engine that has just come back)."""
-        self._view = await self.ops.view()
-        listed = engines_of(self._view)
+        be a poll behind an engine that has just come back), each READY one with whether
+        the router sends to it."""
+        self._view = view = await self.ops.view()
+        listed = engines_of(view)
         fresh = await asyncio.gather(*(self._state(e) for e in listed))
-        return [dataclasses.replace(e, state=seen.state) if e.role in PD_ROLES else e
-                for e, seen in zip(listed, fresh, strict=True)]
+        routed = await self._router_says(view)
+        return [dataclasses.replace(e, state=seen.state, routed=routed(e))
+                if e.role in PD_ROLES else e for e, seen in zip(listed, fresh, strict=True)]
 
     async def seen(self, engine: Engine) -> Seen:
         seen = await self._state(engine)
         if seen.state != READY:
             return seen
-        return dataclasses.replace(seen, routed=await self._routed(engine))
+        routed = await self._router_says(self._view or await self.ops.view())
+        return dataclasses.replace(seen, routed=routed(engine))
 
-    async def _routed(self, engine: Engine) -> bool | None:
-        """Whether the head's router counts the engine healthy (None: it does not say)."""
-        view = self._view or await self.ops.view()
-        if engine.member_id is None:
-            url = view.own.url
-        else:
-            found = view.member(engine.member_id)
-            url = found.worker_url if found is not None else None
+    async def _router_says(self, view: CellView) -> Callable[[Engine], bool | None]:
+        """Whether the head's router sends requests to an engine: healthy by its health
+        checks AND its circuit closed (router_metrics.routing_problem). None for every engine
+        when the cell has no router to ask (not a prefill/decode cell); False when the router
+        runs and its figures are not available or do not list the engine."""
+        if not view.active:
+            return lambda engine: None
         reading = await self.ops.read_router(view)
-        figures = worker_for(reading.scrape if reading else None, (url,))
-        return figures.healthy if figures is not None else None
+        scrape = reading.scrape if reading is not None and reading.up else None
+
+        def routed(engine: Engine) -> bool | None:
+            if engine.member_id is None:
+                url = view.own.url
+            else:
+                found = view.member(engine.member_id)
+                url = found.worker_url if found is not None else None
+            if scrape is None or url is None:
+                return False
+            return routing_problem(worker_for(scrape, (url,))) is None
+
+        return routed
 
     async def _state(self, engine: Engine) -> Seen:
         if engine.member_id is None:

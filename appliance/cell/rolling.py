@@ -8,9 +8,12 @@ The pure part plans and judges:
   reason; the other role is never in a plan. With fewer than 2 READY engines of the role it
   refuses: restarting one would take the role's last READY member down.
 - `step_refusal(step, engines)`: before each step, why taking `step` down now would leave the
-  role without a READY engine (the cell may have changed since the plan), or None.
+  role without a serving engine (READY and, where the cell has a router, sent requests by
+  it: healthy and its circuit closed), or None (the cell may have changed since the plan).
 - `wait_verdict(before, seen, went_down)`: whether a restarted engine is back (READY in a
-  state entered after the restart), still on its way, or failed.
+  state entered after the restart, and taken back by the router), still on its way, or
+  failed. Only then does the next engine go down: issue 25's restart took the second decode
+  down while the router still had the first one out, and the cell answered 503.
 
 `RollingRestart` runs a plan over an `EnginePort` (the head's peer client for members, its
 own supervisor for its own engine): restart, then poll until READY again within
@@ -52,6 +55,11 @@ class Engine:
     role: str
     state: str | None
     member_id: int | None = None
+    routed: bool | None = None  # the router sends to it (None: no router to ask)
+
+    @property
+    def serving(self) -> bool:
+        return self.state == READY and self.routed is not False
 
 
 @dataclass(frozen=True)
@@ -123,13 +131,19 @@ def step_refusal(step: Engine, engines: Sequence[Engine]) -> str | None:
     if now.state != READY:
         return f"{step.label} is no longer READY ({(now.state or 'no answer').replace('_', ' ')})"
     others = [e for e in engines if e.role == step.role and e.key != step.key]
-    if any(e.state == READY for e in others):
+    if any(e.serving for e in others):
         return None
     if not others:
         return f"{step.label} is the only {step.role} member left"
-    states = ", ".join(f"{e.label} {_not_ready(e).split(':')[0]}" for e in others)
-    return (f"restarting {step.label} now would take the last READY {step.role} member down "
-            f"({states})")
+    states = ", ".join(f"{e.label} {_not_serving(e)}" for e in others)
+    return (f"restarting {step.label} now would take the last serving {step.role} member "
+            f"down ({states})")
+
+
+def _not_serving(engine: Engine) -> str:
+    if engine.state == READY:
+        return "ready, but the router does not send to it"
+    return _not_ready(engine).split(":")[0]
 
 
 def wait_verdict(before: Seen, seen: Seen, went_down: bool, stopped_seconds: float = 0.0,

@@ -28,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Protocol
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -153,6 +153,28 @@ def worker_for(scrape: RouterScrape | None, urls: Iterable[str | None]) -> Worke
         if url and (found := scrape.workers.get(url.rstrip("/"))) is not None:
             return found
     return None
+
+
+def routing_problem(figures: WorkerFigures | None) -> str | None:
+    """Why the router would not send this engine requests now, in words, or None when it
+    would: healthy by its health checks AND its circuit closed (a half-open circuit is still
+    on trial). An engine READY on its box is not yet serving until the router says so too
+    (issue 25: the head admitted, and a rolling restart went on, while the router still had
+    an engine out, and users got the router's 503s)."""
+    if figures is None:
+        return "the router does not list it yet"
+    if figures.healthy is not True:
+        return "the router's health checks have not taken it in yet"
+    if figures.circuit not in (None, "closed"):
+        return f"its circuit in the router is {figures.circuit}"
+    return None
+
+
+class RouterFigures(Protocol):
+    """The router's figures as the head's watch reads them (`RouterMetricsReader`; tests
+    and the demo may give a fake through build_runtime)."""
+
+    async def read(self) -> RouterReading: ...
 
 
 class RouterMetricsReader:

@@ -12,7 +12,10 @@ stored of it) plus this poll's outcome (`Observed`). Output: a frozen `CellView`
   router;
 - **serving**: active, the router process up, and at least one prefill and one decode worker
   *ready*: its engine READY, its daemon answering this head, its engine running with the
-  head's engine key (the router sends that key to every worker);
+  head's engine key (the router sends that key to every worker), and, while the router runs,
+  the router counting it healthy with its circuit closed (`router_metrics.routing_problem`,
+  from the router's latest scrape): a member READY on its box is not serving until the
+  router sends to it (issue 25);
 - **capacity**: the sum of the ready decode workers' effective `max_running_requests` (None
   when one of them did not say);
 - **message** and **eta_seconds**: while not serving, the refusal in the operator's words
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Final
@@ -35,12 +38,16 @@ from urllib.parse import urlsplit
 
 from appliance.cell.membership import Member
 from appliance.cell.router import Worker, worker_url
+from appliance.cell.router_metrics import RouterScrape, routing_problem, worker_for
 from appliance.engine.states import STARTING, EngineState
 from appliance.sizes import duration_text, plural
 
 PD_ROLES: Final = ("prefill", "decode")
 STARTING_WORDS: Final = frozenset(s.value for s in STARTING)
 READY: Final = EngineState.READY.value
+# A worker's URL -> why the router would not send to it now, or None (None: not judged, the
+# router is not running).
+RouterCheck = Callable[[str], str | None]
 
 
 @dataclass(frozen=True)
@@ -260,7 +267,8 @@ def _status_words(name: str, status: str, error: str) -> str:
     }.get(status, f"{name} refused the head's call ({error})")
 
 
-def _member_view(seen: Observed, head_key: str | None) -> MemberView:
+def _member_view(seen: Observed, head_key: str | None,
+                 check: RouterCheck | None = None) -> MemberView:
     m, report = seen.member, seen.report
     state: str | None
     if report is not None:
@@ -288,6 +296,8 @@ def _member_view(seen: Observed, head_key: str | None) -> MemberView:
             problem = f"{name}'s engine runs with another key: restart it to serve in the cell"
         elif state != READY:
             problem = _state_words(name, state, eta)
+        elif check is not None and (unrouted := check(url)) is not None:
+            problem = f"{name} is ready, but {unrouted}"
     ready = role in PD_ROLES and not problem
     return MemberView(
         id=m.id, address=m.address, name=name, registered_role=m.role, role=role,
@@ -299,17 +309,21 @@ def _member_view(seen: Observed, head_key: str | None) -> MemberView:
         key_running=key_running, ready=ready, problem=problem)
 
 
-def _own_candidate(own: EngineFacts) -> _Candidate | None:
+def _own_candidate(own: EngineFacts, check: RouterCheck | None) -> _Candidate | None:
     if own.role not in PD_ROLES:
         return None
     name = "this box (the head)"
     problem = "" if own.state == READY else _state_words(name, own.state, own.eta_seconds)
+    if not problem and own.url is not None and check is not None \
+            and (why := check(own.url)) is not None:
+        problem = f"{name} is ready, but {why}"
     return _Candidate(name, own.role, own.url, own.bootstrap_port, own.state, own.capacity,
                       own.eta_seconds, not problem and own.url is not None, problem, own=True)
 
 
-def _candidates(own: EngineFacts, members: Iterable[MemberView]) -> list[_Candidate]:
-    found = [c for c in [_own_candidate(own)] if c is not None]
+def _candidates(own: EngineFacts, members: Iterable[MemberView],
+                check: RouterCheck | None) -> list[_Candidate]:
+    found = [c for c in [_own_candidate(own, check)] if c is not None]
     found += [_Candidate(m.name, m.role, m.worker_url, m.bootstrap_port, m.state, m.capacity,
                          m.eta_seconds, m.ready, m.problem)
               for m in members if m.role in PD_ROLES and m.worker_url is not None]
@@ -330,11 +344,27 @@ def _missing(role: str, candidates: Sequence[_Candidate]) -> tuple[str, float | 
     return f"no {role} {who} is ready: {reasons}", min(etas) if etas else None
 
 
+def router_check(router_running: bool, scrape: RouterScrape | None) -> RouterCheck | None:
+    """How the view judges a READY engine by the router: not at all while the router is not
+    running (the view says that instead), else by its latest scrape (none: nothing is
+    confirmed)."""
+    if not router_running:
+        return None
+
+    def check(url: str) -> str | None:
+        if scrape is None:
+            return "the router's figures are not available"
+        return routing_problem(worker_for(scrape, (url,)))
+
+    return check
+
+
 def build_view(own: EngineFacts, observed: Sequence[Observed], *, router_running: bool,
-               at: dt.datetime) -> CellView:
-    members = tuple(_member_view(seen, own.key) for seen in sorted(observed,
-                                                                   key=lambda o: o.member.id))
-    candidates = _candidates(own, members)
+               at: dt.datetime, router: RouterScrape | None = None) -> CellView:
+    check = router_check(router_running, router)
+    members = tuple(_member_view(seen, own.key, check)
+                    for seen in sorted(observed, key=lambda o: o.member.id))
+    candidates = _candidates(own, members, check)
     workers = tuple(sorted({Worker(c.role, c.url, c.bootstrap_port if c.role == "prefill"
                                    else None) for c in candidates if c.url is not None}))
     roles = {w.role for w in workers}

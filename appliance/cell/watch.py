@@ -17,7 +17,10 @@ once after a member is added or removed: `poke`), one poll:
    twice as long after each start that did not keep it running, up to `RESTART_RETRY`
    seconds (a router that died once is back in seconds; one that cannot start is not
    restarted every poll); a cell that is no longer active (members removed, roles unified)
-   stops it;
+   stops it; then reads the router's figures (its metrics port, `RouterFigures`): an engine
+   is ready in the view only while the router counts it healthy with its circuit closed (a
+   failed read keeps the last one for `SCRAPE_GRACE` seconds, so one slow scrape does not
+   close the cell);
 5. publishes the cell's state for the gateway (`cell_status`, written only when it
    changed; a box that never headed a cell writes nothing);
 6. records one event, and sends one webhook, when a member that was ready is lost
@@ -62,6 +65,7 @@ from appliance.cell.router import (
     worker_url,
     write_router_spec,
 )
+from appliance.cell.router_metrics import RouterFigures, RouterMetricsReader, RouterScrape
 from appliance.cell.router_runner import RouterRunner
 from appliance.cell.view import (
     CellView,
@@ -93,6 +97,7 @@ RESTART_FIRST: Final = 5.0  # the first wait before a router found down is start
 # A member that revoked this head answers every read with a refusal it audits: ask it again
 # only this often (the head's admin removes it, or it joins again with a new token).
 REVOKED_RETRY: Final = 600.0
+SCRAPE_GRACE: Final = 10.0  # how long a router scrape stands in for reads that failed
 SOURCE: Final = "cell"
 
 
@@ -142,8 +147,12 @@ class CellWatch:
                  runner: RouterRunner, alerts: Alerts, audit: Auditor,
                  interval: float = 3.0, idle_interval: float = 30.0,
                  transport: httpx.AsyncBaseTransport | None = None,
-                 router_options: Mapping[str, Any] | None = None) -> None:
+                 router_options: Mapping[str, Any] | None = None,
+                 router_figures: RouterFigures | None = None) -> None:
         self.config, self.db, self.clock = config, db, clock
+        self.router_figures = router_figures or RouterMetricsReader(
+            f"http://127.0.0.1:{config.cell.router_metrics_port}/metrics")
+        self._scrape: tuple[RouterScrape, float] | None = None  # the last good one, when
         # RouterInputs fields to set besides the workers (tests and the demo shorten the
         # router's health-check clock; production keeps RouterInputs' defaults).
         self.router_options = dict(router_options or {})
@@ -214,7 +223,9 @@ class CellWatch:
         # The router follows the workers; whether it then runs is part of the final view.
         provisional = build_view(own, observed, router_running=False, at=self.clock.now())
         running = await self._drive_router(provisional)
-        view = build_view(own, observed, router_running=running, at=provisional.at)
+        scrape = await self._read_router() if running else None
+        view = build_view(own, observed, router_running=running, at=provisional.at,
+                          router=scrape)
         await self._publish(view)
         await self._report(view)
         self._outcomes = {m.id: self._outcomes.get(m.id, "ok") for m in members}
@@ -327,6 +338,18 @@ class CellWatch:
         if running:
             self._router_failure = ""
         return running
+
+    async def _read_router(self) -> RouterScrape | None:
+        """The router's latest figures; the last good ones for SCRAPE_GRACE seconds after a
+        read that failed; None after that (then no engine counts as serving)."""
+        reading = await self.router_figures.read()
+        now = self.clock.monotonic()
+        if reading.up and reading.scrape is not None:
+            self._scrape = (reading.scrape, now)
+            return reading.scrape
+        if self._scrape is not None and now - self._scrape[1] <= SCRAPE_GRACE:
+            return self._scrape[0]
+        return None
 
     # --- the gateway's row, events ------------------------------------------------------------
 
