@@ -146,7 +146,8 @@ class AuthConfig:
     login_max_failures: int = _key(5, _positive, "failures per user+address before 429")
     login_window_seconds: int = _key(60, _positive, "window in which failures are counted")
     failed_login_retention_days: int = _key(
-        30, _positive, "failed and refused login audit entries are deleted after this")
+        30, _positive, "failed and refused login and cell join/peer audit entries are "
+        "deleted after this")
     local_login: str = _key("all", _local_login,
                             '"all", or "break_glass": only break_glass_accounts log in locally')
     break_glass_accounts: tuple[str, ...] = _key(

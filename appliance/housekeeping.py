@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_MISSED, JobExecutionEvent
-from sqlalchemy import delete
+from sqlalchemy import and_, delete, or_
 from sqlalchemy.orm import Session
 
 from appliance.auth.sessions import purge_expired
@@ -28,21 +28,30 @@ async def purge_sessions(runtime: Runtime) -> int:
     return await runtime.db.run(lambda s: purge_expired(s, now))
 
 
-def purge_failed_logins(session: Session, before: dt.datetime) -> int:
-    """Delete failed and refused login entries older than `before`; other audit entries stay.
+# Audit actions anyone on the network can add rows of: (action, whether its "ok" rows stay).
+UNAUTHENTICATED = (("auth.login", True), ("cell.join", True), ("cell.peer.refused", False))
 
-    Anyone who can reach /login can add these, so unlike the rest of the audit log they are
-    history with a retention (`auth.failed_login_retention_days`), not a record kept for good.
+
+def purge_failed(session: Session, before: dt.datetime) -> int:
+    """Delete the failed and refused attempts of `UNAUTHENTICATED` older than `before` (failed
+    logins, refused join tokens, refused cell peer credentials); every other audit entry, and
+    every successful login and join, stays.
+
+    Anyone who can reach /login or the cell's join and peer routes can add these, so unlike
+    the rest of the audit log they are history with a retention
+    (`auth.failed_login_retention_days`), not a record kept for good.
     """
-    result = session.execute(delete(AuditEntry).where(
-        AuditEntry.action == "auth.login", AuditEntry.outcome != "ok", AuditEntry.at < before))
+    failed = or_(*(and_(AuditEntry.action == action, AuditEntry.outcome != "ok")
+                   if keep_ok else AuditEntry.action == action
+                   for action, keep_ok in UNAUTHENTICATED))
+    result = session.execute(delete(AuditEntry).where(failed, AuditEntry.at < before))
     return int(getattr(result, "rowcount", 0) or 0)
 
 
-async def purge_login_failures(runtime: Runtime) -> int:
+async def purge_failed_attempts(runtime: Runtime) -> int:
     before = runtime.clock.now() - dt.timedelta(
         days=runtime.config.auth.failed_login_retention_days)
-    return await runtime.db.run(lambda s: purge_failed_logins(s, before))
+    return await runtime.db.run(lambda s: purge_failed(s, before))
 
 
 def _on_job_problem(runtime: Runtime, event: JobExecutionEvent) -> None:
@@ -68,8 +77,8 @@ def schedule_housekeeping(runtime: Runtime) -> None:
     scheduler = runtime.scheduler
     scheduler.add_job(purge_sessions, "interval", minutes=5, args=[runtime],
                       id="purge_sessions", replace_existing=True)
-    scheduler.add_job(purge_login_failures, "interval", hours=1, args=[runtime],
-                      id="purge_login_failures", replace_existing=True)
+    scheduler.add_job(purge_failed_attempts, "interval", hours=1, args=[runtime],
+                      id="purge_failed_attempts", replace_existing=True)
 
     def listener(event: Any) -> None:
         _on_job_problem(runtime, event)

@@ -206,6 +206,65 @@ def test_wrong_expired_and_used_tokens_are_refused_and_audited(boxes: tuple[Box,
     assert head.api.get("/api/v1/cell/members").json() == []
 
 
+def test_a_join_token_guesser_is_throttled_and_adds_no_rows_past_the_limit(
+        boxes: tuple[Box, Box]) -> None:
+    head, member = boxes
+    attempts = member.runtime.cell_attempts
+    limit = attempts.max_failures
+
+    def guess(token: str = "acj_" + "x" * 43) -> httpx.Response:
+        return httpx.post(f"{member.url}/api/v1/cell/join", json={"token": token}, timeout=10)
+
+    for _ in range(limit):
+        problem(guess(), 403, "join_refused")
+    blocked = guess()
+    body = problem(blocked, 429)
+    assert int(blocked.headers["Retry-After"]) >= 1
+    assert f"sent {limit} wrong cell join tokens" in body["detail"]
+    assert "retry in" in body["detail"]
+    for _ in range(3 * limit):  # a flood: answered, not written down
+        assert guess().status_code == 429
+    assert len(member.audit("cell.join")) == limit
+    # A right token from that address waits too (it learns nothing more), and the head says so.
+    good = join_token(member)
+    assert guess(good).status_code == 429
+    refused = problem(add(head, member, good), 502)
+    assert "HTTP 429" in refused["detail"] and "retry in" in refused["detail"]
+    # Once the oldest failure leaves the window, the right token joins.
+    member.clock.advance(attempts.window + 1)
+    assert add(head, member, good).status_code == 201
+    assert len(attempts) <= attempts.max_addresses
+
+
+def test_forged_peer_credentials_are_throttled_but_a_revoked_one_still_hears_revoked(
+        boxes: tuple[Box, Box]) -> None:
+    _, member = boxes
+    limit = member.runtime.cell_attempts.max_failures
+
+    def status(credential: str) -> httpx.Response:
+        return httpx.get(f"{member.url}/api/v1/cell/peer/status", timeout=10,
+                         headers={"Authorization": f"Bearer {credential}"})
+
+    # A credential this box issued, then revoked (the member left): never counted as a guess.
+    joined = httpx.post(f"{member.url}/api/v1/cell/join", json={"token": join_token(member)})
+    credential = joined.json()["credential"]
+    assert member.api.delete("/api/v1/cell/peer").status_code == 200
+    for _ in range(limit + 2):
+        assert problem(status(credential), 401)["detail"].startswith("this member revoked")
+
+    forged = "acp_0000beef_" + "x" * 43
+    for _ in range(limit):
+        assert status(forged).status_code == 401
+    blocked = status(forged)
+    body = problem(blocked, 429)
+    assert int(blocked.headers["Retry-After"]) >= 1
+    assert "wrong cell peer credentials" in body["detail"]
+    rows = len(member.audit("cell.peer.refused"))
+    for _ in range(3 * limit):
+        assert status(forged).status_code == 429
+    assert len(member.audit("cell.peer.refused")) == rows == 2 * limit + 2
+
+
 def test_a_member_that_left_shows_as_revoked_and_nothing_else_happens(
         boxes: tuple[Box, Box]) -> None:
     head, member = boxes

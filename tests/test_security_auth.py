@@ -29,7 +29,7 @@ from appliance.config import describe, mask_webhook
 from appliance.db.database import Database
 from appliance.db.journal import add_audit, list_audit
 from appliance.errors import ApplianceError
-from appliance.housekeeping import purge_login_failures
+from appliance.housekeeping import purge_failed_attempts
 from appliance.runtime import Runtime, build_runtime
 from appliance.testing.clock import FakeClock
 from appliance.tuning.profiles import builtin_profile
@@ -144,7 +144,7 @@ def test_failed_login_audit_rows_are_purged_by_retention(runtime: Runtime,
                 add_audit(s, at=at, actor="x", action=action, outcome=outcome)  # type: ignore[arg-type]
 
     runtime.db.call(seed)
-    assert asyncio.run(purge_login_failures(runtime)) == 2
+    assert asyncio.run(purge_failed_attempts(runtime)) == 2
     left = runtime.db.call(lambda s: list_audit(s, per_page=100)).items
     assert len(left) == 6
     assert all(a.at >= recent or a.outcome == "ok" or a.action != "auth.login" for a in left)

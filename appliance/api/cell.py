@@ -44,6 +44,7 @@ from appliance.cell.engine_key import check_key, fingerprint, hand_over
 from appliance.cell.local import gpu_summary
 from appliance.cell.membership import Member
 from appliance.cell.peer import MemberRefused, MemberRevoked, MemberUnreachable, PeerClient
+from appliance.cell.peer_auth import count_failure, refuse_if_throttled
 from appliance.cell.watch import observe, push_engine_key
 from appliance.engine.actions import run_action
 from appliance.engine.states import LIVE, Command
@@ -121,9 +122,11 @@ async def join(request: CellRequest, data: JSONBody[JoinBody]) -> dict[str, Any]
     now = runtime.clock.now()
     address = client_address(request)
     head = f"{data.head[:100]} ({address})" if data.head else address
+    refuse_if_throttled(runtime, address, "join tokens")  # a guesser: no lookup, no audit row
     result = await runtime.db.run(lambda s: tokens.redeem_join_token(
         s, runtime.secret, data.token, head=head, now=now))
     if isinstance(result, str):
+        count_failure(runtime, address)
         await audit(runtime, actor="cell head", address=address, action="cell.join",
                     outcome="denied", target=data.head[:100], detail={"reason": result})
         words = {"malformed": "is not a join token", "unknown": "is not one this box made",
