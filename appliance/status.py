@@ -1,6 +1,6 @@
 """What the dashboard and `/api/v1/status` say about the daemon itself, and how the gateway
-admits users (`admission_standing`: qualified, or "unqualified" with what that means; the
-dashboard and the Usage page show it).
+admits users (`admission_standing`: qualified, or "unqualified" with what that means, and
+refusing everyone while a qualification runs; the dashboard and the Usage page show it).
 
 Gathered off the event loop (disk usage and database calls can block on a busy disk).
 """
@@ -18,7 +18,15 @@ import psutil
 from appliance.auth.bootstrap import bootstrap_file
 from appliance.cell.published import read_cell_published
 from appliance.db.schema import schema_state
-from appliance.gateway.qualified import admission_limit, cell_limit, point_of
+from appliance.engine.publish import read_published
+from appliance.gateway.engine_gate import engine_capacity
+from appliance.gateway.qualified import (
+    admission_limit,
+    cell_limit,
+    point_of,
+    qualifying_until,
+    refusal_words,
+)
 from appliance.ops.backup import read_status
 from appliance.ops.schedule import last_backup_line
 from appliance.qualify.ledger import qualification_for
@@ -44,42 +52,81 @@ class AdmissionStanding:
 
     `qualified`: None while no engine runs or the box heads a cell (whose gateway admits up
     to the decode members' capacity, not at this engine's qualified point), else whether the
-    running spec has a qualified point (the gateway admits at it); `words` say it, as the
-    gateway's `/health` does."""
+    running spec has a qualified point (the gateway admits at it); `refusing_until`: a
+    qualification refuses every user until then (`words` say so first, then the limit after
+    it). `words` are `AdmissionLimit.words()`, the same as the gateway's `/health`."""
 
     qualified: bool | None
     words: str
     spec_hash: str | None = None
+    refusing_until: dt.datetime | None = None
+
+    @property
+    def admitting(self) -> bool:
+        return self.refusing_until is None
 
 
-def _admission(runtime: Runtime) -> AdmissionStanding:
+def _admission(runtime: Runtime, engine_limit: int | None = None) -> AdmissionStanding:
+    """The gateway's admission as the database says it (the published engine and cell rows,
+    the ledger) with the engine's own slot count (`engine_limit`, from `/server_info`)."""
+    now = runtime.clock.now()
+    published = runtime.db.call(read_published)
+    until = qualifying_until(published, now)
     cell = runtime.db.call(read_cell_published)
+    gateway = runtime.config.gateway
     if cell is not None and cell.active:  # the head of a cell admits as its gateway does
         if not cell.serving:
             return AdmissionStanding(None, "the cell is not serving, so the gateway admits "
                                      f"nobody: {cell.message}")
-        limit = cell_limit(cell.capacity, override=runtime.config.gateway.max_concurrency)
-        return AdmissionStanding(None, limit.words())
+        limit = cell_limit(cell.capacity, override=gateway.max_concurrency)
+        limit = limit.during(published, now)
+        return AdmissionStanding(None, limit.words(), refusing_until=until)
     spec = runtime.supervisor.running_spec_hash
     if spec is None:
         return AdmissionStanding(None, "no engine is running, so the gateway admits nobody")
     record = runtime.db.call(lambda s: qualification_for(s, spec))
     point = None if record is None else point_of(record)
-    gateway = runtime.config.gateway
-    if point is not None or gateway.max_concurrency:
-        decided = admission_limit(None, point, margin=gateway.qualified_margin,
-                                  override=gateway.max_concurrency)
-        return AdmissionStanding(point is not None, decided.words(), spec)
-    return AdmissionStanding(False, (
+    decided = admission_limit(engine_limit, point, margin=gateway.qualified_margin,
+                              override=gateway.max_concurrency).during(published, now)
+    if point is not None or gateway.max_concurrency or engine_limit is not None:
+        return AdmissionStanding(point is not None, decided.words(), spec, until)
+    unqualified = (
         f"unqualified: the running engine (spec {spec[:12]}) has no qualified point"
         + (" (its last qualification found none)" if record is not None else "")
-        + ", so the gateway admits up to the engine's max_running_requests: what the engine "
-        "can hold, not what it serves at the floor speed; past that point requests fail "
-        "instead of waiting in the gateway's queue"), spec)
+        + ", so the gateway admits up to the engine's slot ceiling (max_running_requests): "
+        "what the engine can hold, not what it serves at the floor speed; past that point "
+        "requests fail instead of waiting in the gateway's queue")
+    if until is not None:
+        unqualified = f"{refusal_words(until)}; then {unqualified}"
+    return AdmissionStanding(False, unqualified, spec, until)
+
+
+async def _engine_limit(runtime: Runtime) -> int | None:
+    """The running engine's slot count as it says it (what the gateway admits up to while
+    unqualified); None while it does not answer."""
+    if not runtime.supervisor.status.admits_requests:
+        return None
+    try:
+        return engine_capacity(await runtime.supervisor.client.server_info())
+    except Exception:  # an engine that does not answer: the line says so without a number
+        return None
 
 
 async def admission_standing(runtime: Runtime) -> AdmissionStanding:
-    return await anyio.to_thread.run_sync(_admission, runtime)
+    limit = await _engine_limit(runtime)
+    return await anyio.to_thread.run_sync(_admission, runtime, limit)
+
+
+async def engine_admission(runtime: Runtime) -> dict[str, object]:
+    """`/api/v1/engine`'s admission fields: `admits_requests` is whether users' requests get
+    in now (a READY engine that a qualification holds closed does not admit them), and
+    `admission` the standing in words with the refusal's end."""
+    standing = await admission_standing(runtime)
+    until = standing.refusing_until
+    return {"admits_requests": runtime.supervisor.status.admits_requests
+            and standing.admitting,
+            "admission": {"admitting": standing.admitting, "words": standing.words,
+                          "refusing_until": until.isoformat() if until else None}}
 
 
 @dataclass(frozen=True)
@@ -109,7 +156,7 @@ def _volumes(named: Iterable[tuple[str, Path]]) -> list[VolumeUsage]:
     return found
 
 
-def _gather(runtime: Runtime) -> DaemonStatus:
+def _gather(runtime: Runtime, engine_limit: int | None = None) -> DaemonStatus:
     paths = runtime.config.paths
     state = schema_state(runtime.db, runtime.migrations)
     database = "SQLite" if runtime.db.is_sqlite else "PostgreSQL"
@@ -126,9 +173,10 @@ def _gather(runtime: Runtime) -> DaemonStatus:
         scheduler_jobs=[job.id for job in runtime.scheduler.get_jobs()],
         rss_bytes=psutil.Process().memory_info().rss,
         last_backup=last_backup_line(read_status(paths.state_dir), runtime.clock.now()),
-        admission=_admission(runtime),
+        admission=_admission(runtime, engine_limit),
     )
 
 
 async def daemon_status(runtime: Runtime) -> DaemonStatus:
-    return await anyio.to_thread.run_sync(_gather, runtime)
+    limit = await _engine_limit(runtime)
+    return await anyio.to_thread.run_sync(_gather, runtime, limit)

@@ -57,8 +57,9 @@ def qualify(db: Database, spec: str, point: int | None, *, floor: float = 32.0,
     top = point or 1
     steps = tuple(Step(c, (round_of(c, 1, (), batch_seconds), round_of(c, 2, (), batch_seconds)),
                        True, ()) for c in range(1, top + 1) if point is not None)
-    if point is None:
-        steps = (Step(1, (round_of(1, 1, (), batch_seconds),), False, ("too slow",)),)
+    failed = Step(top + 1 if point else 1, (round_of(top + 1, 1, (), batch_seconds),), False,
+                  ("too slow",))
+    steps = (*steps, failed)
     settings = plan.Settings(plan.harsh(), tuple(range(1, top + 2)), floor=floor)
     opened = db.call(lambda s: ledger.open_qualification(
         s, spec_hash=spec, at=AT - dt.timedelta(minutes=30), by="tests", engine_version="",
@@ -287,7 +288,7 @@ def test_the_dashboard_and_usage_page_say_unqualified_then_the_qualified_point(
                         property(lambda self: SPEC))  # an engine of this spec runs
     for path in ("/", "/usage"):
         html = logged_in.http.get(path).text
-        line = re.search(r'<p class="admission notice" id="admission-line">(.*?)</p>', html,
+        line = re.search(r'<p class="admission notice" id="admission-line"[^>]*>(.*?)</p>', html,
                          re.S)
         assert line, path
         assert "unqualified: the running engine (spec aaaaaaaaaaaa)" in line.group(1)

@@ -72,7 +72,7 @@ def test_another_spec_is_unqualified_until_it_qualifies(config: Config, db: Data
     assert qualified is not None and qualified.qualified == 2
     changed = service(config, db, SPEC_B)  # the engine restarted with another spec
     assert asyncio.run(changed.current()) is None
-    from appliance.qualify.service import standing
+    from appliance.qualify.outcome import standing
 
     assert standing(SPEC_B, None) == (
         f"unqualified: the running engine (spec {SPEC_B[:12]}) has never been qualified")

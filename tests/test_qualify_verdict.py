@@ -10,6 +10,7 @@ from appliance.qualify.verdict import (
     Sample,
     Step,
     judge,
+    lower_bound,
     percentile,
     qualified_point,
     round_of,
@@ -125,7 +126,14 @@ def test_the_qualified_point_is_the_highest_step_with_every_lower_one_passing() 
     assert steps_from([s.to_dict() for s in steps]) == tuple(steps)
     assert verdict_words(4, 32, None, steps) == (
         "qualified at 4 concurrent users: every user at or above 32 tokens/s")
-    assert verdict_words(1, 32, None, steps[:1]).startswith("qualified at 1 concurrent user:")
+    assert verdict_words(1, 32, None, steps[:2]).startswith("qualified at 1 concurrent user:")
+    # Every step passed: the ladder's top is only a lower bound, below the engine's ceiling.
+    assert verdict_words(2, 32, None, steps[:2], max_running=64).startswith(
+        "qualified for at least 2 concurrent users (the ladder stopped at 2; no step failed")
+    assert lower_bound(2, steps[:2], 64) and not lower_bound(4, steps, 64)
+    assert not lower_bound(2, steps[:2], 2)  # the engine's own ceiling: all there is
+    assert verdict_words(2, 32, None, steps[:2], max_running=2).startswith(
+        "qualified at 2 concurrent users:")
     assert verdict_words(None, 32, None, [step(1, 10)]).startswith(
         "not qualified: already at 1 concurrent user, repeat 1: the slowest users decoded at "
         "10.0 tokens/s")

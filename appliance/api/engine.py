@@ -44,7 +44,10 @@ class ActionBody:
 
 @get("/", summary="Engine state, progress, memory table and launch figures")
 async def engine_status(request: AdminRequest) -> dict[str, Any]:
-    return status_dict(runtime_of(request).supervisor.status)
+    from appliance.status import engine_admission  # admits_requests: the gateway's word too
+
+    runtime = runtime_of(request)
+    return {**status_dict(runtime.supervisor.status), **await engine_admission(runtime)}
 
 
 @get("/spec", summary="The launch argv with the origin of every flag")

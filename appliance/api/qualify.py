@@ -22,7 +22,7 @@ from appliance.auth.guards import password_current
 from appliance.auth.middleware import AuthInfo, client_address
 from appliance.errors import ApplianceError
 from appliance.qualify.chart import render_chart
-from appliance.qualify.service import Request as QualifyRequest
+from appliance.qualify.outcome import Request as QualifyRequest
 from appliance.runtime import Runtime, runtime_of
 
 AdminRequest = Request[Admin, AuthInfo, Any]
@@ -42,6 +42,7 @@ class RunBody:
     input_tokens: int | None = None
     output_tokens: int | None = None
     wedge_seconds: float = 60.0
+    continue_from: int | None = None  # a qualification whose every step passed: climb on
     confirm: bool = False
 
     def request(self) -> QualifyRequest:
@@ -49,7 +50,7 @@ class RunBody:
             floor=self.floor, ttft_p90_max=self.ttft_p90_max, repeats=self.repeats,
             ladder=tuple(self.ladder) if self.ladder else None, workload=self.workload,
             input_tokens=self.input_tokens, output_tokens=self.output_tokens,
-            wedge_seconds=self.wedge_seconds)
+            wedge_seconds=self.wedge_seconds, continue_from=self.continue_from)
 
 
 async def overview(runtime: Runtime) -> dict[str, Any]:

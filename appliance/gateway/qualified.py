@@ -20,6 +20,12 @@ A request refused because the queue is full or its wait ran out is told when to 
 qualified point took in the qualification (the median over its repeats), never less than the
 median duration the gateway has seen lately.
 
+While a qualification runs the gateway refuses every user whatever the limit
+(`qualifying_until`: until the run's expected end). `AdmissionLimit.refusing_until` carries
+that into the one value every place that states admission says (`/health`, the dashboard,
+the Usage page, `/api/v1/engine`, `appliance doctor`): the refusal, why and until when first,
+then the limit that applies once it ends.
+
 Pure, except `QualifiedReader.read`, which the gateway's poll calls inside its transaction.
 """
 
@@ -28,12 +34,13 @@ from __future__ import annotations
 import datetime as dt
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from appliance.db.models import Qualification
+from appliance.engine.publish import Published
 from appliance.qualify.ledger import Record, get_qualification
 from appliance.qualify.verdict import percentile
 
@@ -45,6 +52,25 @@ CELL_UNKNOWN = "cell: capacity not published"
 FALLBACK_LIMIT = 32  # the engine did not say (an old or odd build): a cautious guess
 RETRY_MAX = 600  # seconds; a longer Retry-After is a guess no client should sleep on
 UNQUALIFIED_RETRY_MAX = 60
+QUALIFYING_REASON = "a qualification is running"
+
+
+def qualifying_until(published: Published | None, now: dt.datetime) -> dt.datetime | None:
+    """Until when the gateway refuses every user because the box is being qualified: the
+    run's expected end when the daemon published one, the lease's end once the run has gone
+    past its estimate (the daemon keeps renewing it); None when no qualification holds the
+    gateway closed (none runs, or its lease lapsed: the daemon that ran it is gone)."""
+    if published is None or not published.qualifying(now):
+        return None
+    lease = published.qualifying_until
+    until = published.qualifying_ends_at or lease or now
+    return lease if lease is not None and until < lease else until
+
+
+def refusal_words(until: dt.datetime) -> str:
+    """The refusal while a qualification runs, as every place that states admission says it."""
+    return (f"refusing every user until about {until:%H:%M:%S} UTC: {QUALIFYING_REASON} "
+            "(the box's capacity is measured without users)")
 
 
 @dataclass(frozen=True)
@@ -56,9 +82,13 @@ class QualifiedPoint:
     floor: float
     at: dt.datetime  # when it finished
     batch_seconds: float | None  # a full batch at the point, start to last token (median)
+    lower_bound: bool = False  # no step failed: the ladder stopped here, more may pass
 
     def words(self) -> str:
-        return (f"qualified {self.at:%Y-%m-%d %H:%M:%S} UTC, floor {self.floor:g} tokens/s")
+        bound = (f"; at least {self.point}: the ladder stopped there with no step failing, "
+                 "continue it to admit more" if self.lower_bound else "")
+        return (f"qualified {self.at:%Y-%m-%d %H:%M:%S} UTC, floor {self.floor:g} tokens/s"
+                f"{bound}")
 
 
 def point_of(record: Record) -> QualifiedPoint | None:
@@ -68,7 +98,8 @@ def point_of(record: Record) -> QualifiedPoint | None:
     step = next((s for s in record.steps if s.concurrency == record.qualified), None)
     batches = [r.seconds for r in step.rounds if r.seconds > 0] if step else []
     return QualifiedPoint(record.id, record.qualified, record.settings.floor,
-                          record.ended_at or record.started_at, percentile(batches, 50))
+                          record.ended_at or record.started_at, percentile(batches, 50),
+                          record.lower_bound)
 
 
 class QualifiedReader:
@@ -107,9 +138,23 @@ class AdmissionLimit:
     source: str
     qualified: QualifiedPoint | None = None
     cell: bool = False
+    refusing_until: dt.datetime | None = None  # a qualification refuses everyone until then
+
+    @property
+    def admitting(self) -> bool:
+        """False while a qualification refuses every user (the limit applies after it)."""
+        return self.refusing_until is None
+
+    def during(self, published: Published | None, now: dt.datetime) -> AdmissionLimit:
+        """This limit as it stands now: refusing while a qualification runs."""
+        until = qualifying_until(published, now)
+        return self if until == self.refusing_until else replace(self, refusing_until=until)
 
     def words(self) -> str:
-        """What the dashboard, the Usage page and `/health` say."""
+        """What the dashboard, the Usage page, `/health` and the doctor say."""
+        if self.refusing_until is not None:
+            after = replace(self, refusing_until=None).words()
+            return f"{refusal_words(self.refusing_until)}; then {after}"
         if self.cell:
             ground = {CONFIGURED: "gateway.max_concurrency",
                       CELL: "the sum of its ready decode members' max_running_requests"
@@ -128,7 +173,10 @@ class AdmissionLimit:
 
     def to_dict(self) -> dict[str, object]:
         body: dict[str, object] = {"limit": self.limit, "source": self.source,
-                                   "words": self.words()}
+                                   "admitting": self.admitting, "words": self.words()}
+        if self.refusing_until is not None:
+            body["refusal"] = {"reason": QUALIFYING_REASON,
+                               "until": self.refusing_until.isoformat()}
         if self.qualified is not None:
             q = self.qualified
             body["qualification"] = {"id": q.qid, "point": q.point, "floor": q.floor,

@@ -4,7 +4,9 @@
 the ledger; `show ID` one qualification's step table; `cancel` stops a run; `run` starts one.
 `run` without `--yes` prints what it would do and how long (the gateway refuses users
 meanwhile) and asks for `--yes`; with it, it follows the run to its end (Ctrl-C cancels the
-qualification) unless `--detach`. A run that ends without a qualified point exits 1.
+qualification) unless `--detach`, however long it takes (the CLI's token is renewed while it
+follows). A run that ends without a qualified point exits 1. `run --continue` climbs on from
+a qualification whose every step passed ("at least N").
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                      help="no token on any stream this long ends a step as wedged")
     run.add_argument("--yes", action="store_true",
                      help="confirm: the gateway refuses users for the whole run")
+    run.add_argument("--continue", dest="continue_ladder", action="store_true",
+                     help="climb on from the running configuration's qualification whose "
+                          "every step passed (\"at least N\"): its steps are kept, the ones "
+                          "above N measured, with its settings")
     run.add_argument("--detach", action="store_true", help="start it and return")
     run.add_argument("--json", action="store_true")
 
@@ -107,6 +113,8 @@ def run_qualification(api: httpx.Client, args: argparse.Namespace) -> int:
     from appliance.engine.cli import checked
 
     body = _body(args)
+    if getattr(args, "continue_ladder", False):
+        body["continue_from"] = _continuable(api)
     if not args.yes:
         planned = checked(api.post(f"{API}/plan", json=body), "qualify_api")
         if args.json:
@@ -130,6 +138,18 @@ def run_qualification(api: httpx.Client, args: argparse.Namespace) -> int:
     else:
         print(describe_record(record))
     return 0 if record["state"] == "done" and record["qualified"] is not None else 1
+
+
+def _continuable(api: httpx.Client) -> int:
+    """The running configuration's qualification to continue (a lower bound), or why none."""
+    from appliance.engine.cli import checked
+
+    current = checked(api.get(f"{API}/"), "qualify_api").get("qualification")
+    if not current or not current.get("lower_bound"):
+        raise ApplianceError("qualify_invalid", "there is no ladder to continue: the running "
+                             "configuration has no qualification whose every step passed",
+                             "run a new one with `appliance qualify run`", exit_code=EX_USAGE)
+    return int(current["id"])
 
 
 def follow(api: httpx.Client, qid: int, *, quiet: bool) -> dict[str, Any]:
@@ -203,6 +223,9 @@ def describe_status(body: dict[str, Any]) -> str:
                      "stops it")
     elif body["qualified"] is None and body["spec_hash"]:
         lines.append("run one with `appliance qualify run` (it says how long first)")
+    elif (body.get("qualification") or {}).get("lower_bound"):
+        lines.append(f"continue the ladder from {body['qualified']} with `appliance qualify "
+                     "run --continue` (it says how long first)")
     return "\n".join(lines)
 
 

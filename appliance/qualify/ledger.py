@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from appliance.db.models import Qualification
 from appliance.qualify.plan import Settings
-from appliance.qualify.verdict import Step, steps_from
+from appliance.qualify.verdict import Step, lower_bound, steps_from
 
 STATES = ("running", "done", "cancelled", "failed", "interrupted")
 LIST_LIMIT = 50
@@ -40,6 +40,13 @@ class Record:
     verdict: str
     error: str
 
+    @property
+    def lower_bound(self) -> bool:
+        """A finished run whose point is only a lower bound (`verdict.lower_bound`): the
+        ladder can be continued from it (`Request.continue_from`)."""
+        return self.state == "done" and lower_bound(
+            self.qualified, self.steps, self.settings.max_running_requests)
+
     def to_dict(self, *, steps: bool = True) -> dict[str, Any]:
         body: dict[str, Any] = {
             "id": self.id, "spec_hash": self.spec_hash, "state": self.state,
@@ -47,7 +54,8 @@ class Record:
             "ended_at": self.ended_at.isoformat() if self.ended_at else None,
             "started_by": self.started_by, "engine_version": self.engine_version,
             "tuning": self.tuning, "settings": self.settings.to_dict(),
-            "qualified": self.qualified, "verdict": self.verdict, "error": self.error}
+            "qualified": self.qualified, "lower_bound": self.lower_bound,
+            "verdict": self.verdict, "error": self.error}
         if steps:
             body["steps"] = [s.to_dict() for s in self.steps]
         return body

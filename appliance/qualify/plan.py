@@ -166,6 +166,10 @@ class Settings:
     wedge_seconds: float = DEFAULT_WEDGE_SECONDS
     max_running_requests: int | None = None
     notes: tuple[str, ...] = field(default=())
+    # Wall seconds per engine second (a time-scaled emulator says it; real SGLang: 1): every
+    # figure is measured in the engine's time, as its /metrics are.
+    time_scale: float = 1.0
+    continues: int | None = None  # the qualification whose passed steps this one extends
 
     def __post_init__(self) -> None:
         if not 0 < self.floor <= 10_000:
@@ -176,6 +180,8 @@ class Settings:
             raise PlanError("repeats", f"{self.repeats}: give 1 to {MAX_REPEATS}")
         if not 1 <= self.wedge_seconds <= 3600:
             raise PlanError("wedge_seconds", f"{self.wedge_seconds:g} s: give 1 to 3600")
+        if not 0 < self.time_scale <= 1000:
+            raise PlanError("time_scale", f"{self.time_scale:g} is not a usable time scale")
         if not self.ladder:
             raise PlanError("ladder", "no step given")
 
@@ -183,16 +189,20 @@ class Settings:
         return {"workload": self.workload.to_dict(), "ladder": list(self.ladder),
                 "floor": self.floor, "ttft_p90_max": self.ttft_p90_max,
                 "repeats": self.repeats, "wedge_seconds": self.wedge_seconds,
-                "max_running_requests": self.max_running_requests}
+                "max_running_requests": self.max_running_requests,
+                "time_scale": self.time_scale, "continues": self.continues}
 
     @classmethod
     def from_dict(cls, body: dict[str, Any]) -> Settings:
         ttft = body.get("ttft_p90_max")
         limit = body.get("max_running_requests")
+        continues = body.get("continues")  # absent in rows from before it was stored
         return cls(Workload.from_dict(body["workload"]), tuple(int(c) for c in body["ladder"]),
                    float(body["floor"]), None if ttft is None else float(ttft),
                    int(body["repeats"]), float(body["wedge_seconds"]),
-                   None if limit is None else int(limit))
+                   None if limit is None else int(limit),
+                   time_scale=float(body.get("time_scale", 1.0)),
+                   continues=None if continues is None else int(continues))
 
 
 def round_seconds(settings: Settings, concurrency: int) -> float:
@@ -203,7 +213,25 @@ def round_seconds(settings: Settings, concurrency: int) -> float:
     return FLUSH_SECONDS + prompts / PREFILL_GUESS + decode
 
 
-def estimate_seconds(settings: Settings) -> float:
+def estimate_seconds(settings: Settings, skip: Iterable[int] = ()) -> float:
     """The whole ladder, every step repeated (the runner stops at the first failing step, so
-    a box that fails early takes less)."""
-    return sum(settings.repeats * round_seconds(settings, c) for c in settings.ladder)
+    a box that fails early takes less), in wall seconds; `skip`: steps already measured (a
+    continued ladder)."""
+    done = set(skip)
+    engine = sum(settings.repeats * round_seconds(settings, c) for c in settings.ladder
+                 if c not in done)
+    return engine * settings.time_scale
+
+
+def continued(passed: Sequence[int], max_running: int | None,
+              steps: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The ladder of a run continuing one whose every step passed: its steps, then the steps
+    above its top (the operator's, or the default ladder's up to the engine's limit)."""
+    top = max(passed)
+    above = [c for c in (steps or (ladder(max_running) if max_running else ())) if c > top]
+    if not above:
+        limit = max_running or MAX_CONCURRENCY
+        raise PlanError("ladder", f"nothing above {top} to measure" + (
+            f" (the engine runs at most {limit} requests at once)" if max_running else
+            "; give the steps to try"))
+    return custom_ladder([*passed, *above], max_running)

@@ -9,9 +9,21 @@ daemon renews it every few seconds while the run lasts and clears it when the ru
 ever it ends. A daemon that dies without clearing it leaves it to lapse within
 `LEASE_SECONDS`, and the next start clears it at once, so no restart leaves users refused.
 
-The run: wait for the engine to finish what users had in flight, then climb the ladder; every
-step is repeated, each repeat after a prefix-cache flush. A step that fails (or a wedge)
-ends the climb: the qualified point is below it. Steps are saved as they finish.
+The run: wait for the engine to finish what users had in flight, then climb the ladder
+(`appliance.qualify.climb`: every step repeated, each repeat after a prefix-cache flush; a
+transient loss of READY pauses the step and measures it again, bounded). A step that fails
+(or a wedge) ends the climb: the qualified point is below it. Steps are saved as they
+finish. A climb the engine cut short keeps its passed steps: the box is qualified for at
+least the last of them, and the verdict says what was not measured. A ladder whose every
+step passed is a lower bound ("at least N"), and can be continued from N
+(`Request.continue_from`).
+
+Figures are in the engine's time: a time-scaled emulator says its scale in `/server_info`
+(`emulator_time_scale`, wall seconds per engine second) and the runner's clock runs at it, so
+a demo measures the modelled box, not the scale. Real SGLang: scale 1.
+
+An expected end (the engine would not drain, a cancel) is logged as a warning in one line;
+only an unforeseen error is logged with its traceback.
 """
 
 from __future__ import annotations
@@ -20,8 +32,9 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -38,8 +51,18 @@ from appliance.engine.states import EngineState
 from appliance.engine.supervisor import Supervisor
 from appliance.errors import ApplianceError
 from appliance.qualify import ledger, plan
+from appliance.qualify.climb import READY_WAIT_SECONDS, Climbed, Climber
+from appliance.qualify.outcome import (
+    Planned,
+    Progress,
+    Request,
+    outcome,
+    standing,
+    summary,
+    time_scale_of,
+)
 from appliance.qualify.runner import LoadRunner
-from appliance.qualify.verdict import Round, Step, judge, qualified_point, round_of, verdict_words
+from appliance.qualify.verdict import Step
 from appliance.secrets import read_engine_api_key
 
 log = logging.getLogger(__name__)
@@ -52,78 +75,24 @@ REPLAY_ROWS = 10_000
 RunnerFactory = Callable[[plan.Settings], LoadRunner]
 
 
-@dataclass(frozen=True)
-class Request:
-    """What an operator asks for (the API body, the CLI flags, the console form)."""
-
-    floor: float = plan.DEFAULT_FLOOR
-    ttft_p90_max: float | None = None
-    repeats: int = plan.DEFAULT_REPEATS
-    ladder: tuple[int, ...] | None = None
-    workload: str = "harsh"                 # harsh | profile:NAME | replay
-    input_tokens: int | None = None         # the harsh load's prompt (default 8,192)
-    output_tokens: int | None = None        # the harsh load's answer (default 1,000)
-    wedge_seconds: float = plan.DEFAULT_WEDGE_SECONDS
-
-
-@dataclass(frozen=True)
-class Planned:
-    settings: plan.Settings
-    estimate_seconds: float
-    spec_hash: str
-    engine_version: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"settings": self.settings.to_dict(), "estimate_seconds": round(
-            self.estimate_seconds), "spec_hash": self.spec_hash,
-            "engine_version": self.engine_version, "summary": summary(self)}
-
-
-def summary(planned: Planned) -> str:
-    """What a run will do, in words, for the confirmation."""
-    s = planned.settings
-    steps = ", ".join(str(c) for c in s.ladder)
-    minutes = max(1, round(planned.estimate_seconds / 60))
-    repeats = "once" if s.repeats == 1 else f"{s.repeats} times"
-    return (f"{s.workload.describe()}; {len(s.ladder)} steps ({steps} concurrent users), each "
-            f"run {repeats} after flushing the prefix cache; about {minutes} min at most. "
-            "The gateway refuses users (503) for the whole run.")
-
-
-@dataclass(frozen=True)
-class Progress:
-    """The running qualification, for the status answers (frozen: replaced, not edited)."""
-
-    qid: int
-    started_at: dt.datetime
-    estimate_seconds: float
-    phase: str = "starting"
-    concurrency: int | None = None
-    repeat: int | None = None
-    steps_done: int = 0
-    steps_total: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"id": self.qid, "started_at": self.started_at.isoformat(),
-                "estimate_seconds": round(self.estimate_seconds), "phase": self.phase,
-                "concurrency": self.concurrency, "repeat": self.repeat,
-                "steps_done": self.steps_done, "steps_total": self.steps_total}
-
-
 class QualifyService:
     def __init__(self, config: Config, db: Database, clock: Clock, supervisor: Supervisor,
-                 *, runner_factory: RunnerFactory | None = None) -> None:
+                 *, runner_factory: RunnerFactory | None = None,
+                 ready_wait: float = READY_WAIT_SECONDS) -> None:
         self.config, self.db, self.clock, self.supervisor = config, db, clock, supervisor
+        self.ready_wait = ready_wait  # a paused step waits this long for READY
         self._factory = runner_factory or self._default_runner
         self._task: asyncio.Task[None] | None = None
         self._cancel = asyncio.Event()
         self._progress: Progress | None = None
 
     def _default_runner(self, settings: plan.Settings) -> LoadRunner:
+        scale = settings.time_scale
         return LoadRunner(engine_url(self.config),
                           api_key=read_engine_api_key(self.config.paths.state_dir),
                           model=self.config.engine.served_model_name,
-                          wedge_seconds=settings.wedge_seconds)
+                          wedge_seconds=settings.wedge_seconds,
+                          monotonic=lambda: time.monotonic() / scale)  # the engine's time
 
     # --- life ----------------------------------------------------------------------------
 
@@ -205,17 +174,42 @@ class QualifyService:
         info = await self.supervisor.client.server_info() or {}
         limit = _capacity(info)
         version = str(info.get("version", ""))[:64]
+        scale = time_scale_of(info)
+        if request.continue_from is not None:
+            return await self._continued(request, spec, limit, version, scale)
         workload = await self._workload(request)
         try:
             steps = (plan.custom_ladder(request.ladder, limit) if request.ladder
                      else plan.ladder(limit or 0))
             settings = plan.Settings(workload, steps, request.floor, request.ttft_p90_max,
-                                     request.repeats, request.wedge_seconds, limit)
+                                     request.repeats, request.wedge_seconds, limit,
+                                     time_scale=scale)
         except plan.PlanError as exc:
-            raise ApplianceError("qualify_invalid", exc.message if exc.field == "workload"
-                                 else f"{exc.field}: {exc.message}",
-                                 "correct it and ask again", status=422) from None
+            raise _invalid(exc) from None
         return Planned(settings, plan.estimate_seconds(settings), spec, version)
+
+    async def _continued(self, request: Request, spec: str, limit: int | None, version: str,
+                         scale: float) -> Planned:
+        """A run that climbs on from a lower-bound qualification of the running spec: its
+        settings (else the steps would not compare), its passed steps kept, the steps above
+        its top measured."""
+        qid = request.continue_from
+        previous = await self.get(qid) if qid is not None else None
+        if previous is None or previous.spec_hash != spec or not previous.lower_bound:
+            raise ApplianceError(
+                "qualify_invalid", f"qualification {qid} cannot be continued: only a finished "
+                "qualification of the running configuration whose every step passed can",
+                "run a new qualification instead (`appliance qualify run`)", status=422)
+        try:
+            ladder = plan.continued([s.concurrency for s in previous.steps], limit,
+                                    request.ladder)
+            settings = replace(previous.settings, ladder=ladder, max_running_requests=limit,
+                               time_scale=scale, continues=previous.id)
+        except plan.PlanError as exc:
+            raise _invalid(exc) from None
+        done = [s.concurrency for s in previous.steps]
+        return Planned(settings, plan.estimate_seconds(settings, done), spec, version,
+                       previous.steps)
 
     async def _workload(self, request: Request) -> plan.Workload:
         name = request.workload.strip()
@@ -259,8 +253,10 @@ class QualifyService:
         await self._close_gateway(now + dt.timedelta(seconds=planned.estimate_seconds))
         self._cancel = asyncio.Event()
         self._progress = Progress(record.id, now, planned.estimate_seconds,
+                                  steps_done=len(planned.carried),
                                   steps_total=len(planned.settings.ladder))
-        self._task = asyncio.get_running_loop().create_task(self._run(record, planned.settings))
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(record, planned.settings, list(planned.carried)))
         return record
 
     async def cancel(self) -> bool:
@@ -293,28 +289,45 @@ class QualifyService:
             except Exception:
                 log.exception("could not renew the gateway's qualification lease")
 
-    async def _run(self, record: ledger.Record, settings: plan.Settings) -> None:
-        steps: list[Step] = []
-        state, error = "done", ""
+    async def _run(self, record: ledger.Record, settings: plan.Settings,
+                   steps: list[Step]) -> None:
+        climbed = Climbed("failed")
+        error = ""
         renew = asyncio.get_running_loop().create_task(self._renew())
         runner = self._factory(settings)
         try:
             await self._event("info", f"qualification {record.id} started: "
                               f"{settings.workload.describe()}")
             await self._drain()
-            state = await self._climb(record.id, settings, runner, steps)
+            climbed = await self._climber(record.id, settings, runner).climb(steps)
         except asyncio.CancelledError:
-            state, error = "interrupted", "the daemon stopped while it ran"
+            climbed, error = Climbed("interrupted"), "the daemon stopped while it ran"
             raise
-        except Exception as exc:
+        except RuntimeError as exc:  # expected: the engine would not drain
+            log.warning("qualification %s could not run: %s", record.id, exc)
+            error = str(exc)
+        except Exception as exc:  # unforeseen: a bug, with its traceback
             log.exception("qualification %s failed", record.id)
-            state, error = "failed", str(exc) or type(exc).__name__
+            error = str(exc) or type(exc).__name__
         finally:
             renew.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await renew
-            await self._finish(record.id, settings, tuple(steps), state, error)
+            await self._finish(record.id, settings, tuple(steps), climbed, error)
             await runner.aclose()
+
+    def _climber(self, qid: int, settings: plan.Settings, runner: LoadRunner) -> Climber:
+        def ready() -> bool:
+            return self.supervisor.status.state is EngineState.READY
+
+        async def save(steps: tuple[Step, ...]) -> None:
+            await self.db.run(partial(ledger.save_steps, qid=qid, steps=steps))
+
+        return Climber(runner, settings, qid, self._cancel, ready=ready,
+                       state_label=lambda: self.supervisor.status.state.label,
+                       progress=self._set, save=save,
+                       note=lambda words: self._event("warning", words),
+                       monotonic=self.clock.monotonic, ready_wait=self.ready_wait)
 
     async def _drain(self) -> None:
         """Users' requests already in the engine finish before the first flush."""
@@ -331,53 +344,20 @@ class QualifyService:
                                    f"after {DRAIN_SECONDS:.0f} s")
             await asyncio.sleep(0.5)
 
-    async def _climb(self, qid: int, settings: plan.Settings, runner: LoadRunner,
-                     steps: list[Step]) -> str:
-        for index, concurrency in enumerate(settings.ladder):
-            rounds: list[Round] = []
-            for repeat in range(1, settings.repeats + 1):
-                if self._cancel.is_set():
-                    return "cancelled"
-                if self.supervisor.status.state is not EngineState.READY:
-                    raise RuntimeError(f"the engine left READY (it is "
-                                       f"{self.supervisor.status.state.label})")
-                self._set(phase="flushing the prefix cache", concurrency=concurrency,
-                          repeat=repeat)
-                await runner.flush_cache(self._cancel)
-                self._set(phase="measuring")
-                result = await runner.run_round(settings.workload, concurrency,
-                                                f"q{qid}c{concurrency}r{repeat}", self._cancel)
-                if result.cancelled:
-                    return "cancelled"
-                rounds.append(round_of(concurrency, repeat, result.samples, result.seconds,
-                                       wedged=result.wedged, kv_peak=result.kv_peak,
-                                       state_peak=result.state_peak))
-                if result.wedged:
-                    break  # back off: no more load on a wedged engine
-            step = judge(concurrency, rounds, floor=settings.floor,
-                         ttft_p90_max=settings.ttft_p90_max, repeats=settings.repeats)
-            steps.append(step)
-            self._set(steps_done=index + 1)
-            await self.db.run(partial(ledger.save_steps, qid=qid, steps=tuple(steps)))
-            if not step.passed:
-                break
-        return "done"
-
     async def _finish(self, qid: int, settings: plan.Settings, steps: tuple[Step, ...],
-                      state: str, error: str) -> None:
+                      climbed: Climbed, error: str) -> None:
         """Record the end and open the gateway, whatever happened (shielded: a daemon stop
         that cancelled the run must still get here)."""
-        point = qualified_point(steps) if state == "done" else None
-        words = (verdict_words(point, settings.floor, settings.ttft_p90_max, steps)
-                 if state == "done" else f"{state}: {error}" if error else state)
+        state, point, words = outcome(settings, steps, climbed, error)
         now = self.clock.now()
 
         def close(s: Session) -> None:
             ledger.close_qualification(s, qid, state=state, at=now, steps=steps,
-                                       qualified=point, verdict=words, error=error)
+                                       qualified=point, verdict=words,
+                                       error=error or climbed.stopped)
             write_qualifying(s, None)
             add_event(s, at=now, severity="info" if state == "done" else "warning",
-                      source="qualify", message=f"qualification {qid} {state}: {words}; the "
+                      source="qualify", message=f"qualification {qid} ended — {words}; the "
                       "gateway admits users again")
 
         try:
@@ -396,14 +376,10 @@ class QualifyService:
                                               message=message))
 
 
-def standing(spec: str | None, current: ledger.Record | None) -> str:
-    """The box's standing in words (the console's and the CLI's first line)."""
-    if spec is None:
-        return "no engine is running, so nothing can be qualified"
-    if current is None:
-        return (f"unqualified: the running engine (spec {spec[:12]}) has never been "
-                "qualified")
-    return current.verdict
+def _invalid(exc: plan.PlanError) -> ApplianceError:
+    return ApplianceError("qualify_invalid", exc.message if exc.field == "workload"
+                          else f"{exc.field}: {exc.message}", "correct it and ask again",
+                          status=422)
 
 
 def replace_status(exc: ApplianceError, status: int) -> ApplianceError:

@@ -213,18 +213,46 @@ def steps_from(body: Sequence[dict[str, Any]]) -> tuple[Step, ...]:
                       bool(s["passed"]), tuple(s["reasons"])) for s in body)
 
 
+def lower_bound(point: int | None, steps: Sequence[Step], max_running: int | None) -> bool:
+    """Whether `point` is only a lower bound: no step failed, so the ladder stopped at its top
+    before the box reached its limit (a step above it might pass too). The engine's own
+    `max_running` is a true ceiling: a ladder that reached it measured all there is."""
+    if point is None or not steps or not all(s.passed for s in steps):
+        return False
+    top = max(s.concurrency for s in steps)
+    return point == top and (max_running is None or point < max_running)
+
+
 def verdict_words(point: int | None, floor: float, ttft_p90_max: float | None,
-                  steps: Sequence[Step]) -> str:
-    """The verdict in words, as the console and the CLI say it."""
+                  steps: Sequence[Step], *, max_running: int | None = None,
+                  stopped: str = "") -> str:
+    """The verdict in words, as the console and the CLI say it. `stopped`: why the climb
+    ended before a step failed or the ladder's top (the engine would not stay READY), with
+    what was not measured; a point it leaves is a lower bound, and the box is admitted at it."""
     ceiling = (f" and sees a first token within {ttft_p90_max:g} s (p90)"
                if ttft_p90_max is not None else "")
     if point is not None:
         users = "user" if point == 1 else "users"
-        return (f"qualified at {point} concurrent {users}: every user at or above "
-                f"{floor:g} tokens/s{ceiling}")
+        speed = f"every user at or above {floor:g} tokens/s{ceiling}"
+        if stopped:
+            return (f"qualified for at least {point} concurrent {users} (the ladder stopped "
+                    f"at {point}: {stopped}): {speed}; the gateway admits at {point}")
+        if lower_bound(point, steps, max_running):
+            return (f"qualified for at least {point} concurrent {users} (the ladder stopped "
+                    f"at {point}; no step failed, so more may pass: continue the ladder to "
+                    f"find the point): {speed}")
+        return f"qualified at {point} concurrent {users}: {speed}"
     if not steps:
-        return "not qualified: no step was measured"
+        return "not qualified: no step was measured" + (f" ({stopped})" if stopped else "")
     first = sorted(steps, key=lambda s: s.concurrency)[0]
     users = "user" if first.concurrency == 1 else "users"
     why = first.reasons[0] if first.reasons else "it did not pass"
     return f"not qualified: already at {first.concurrency} concurrent {users}, {why}"
+
+
+def ended_words(state: str, error: str) -> str:
+    """The verdict of a run that ended without one (cancelled, failed, interrupted): the state
+    once, then why (never "failed: failed: …")."""
+    words = {"cancelled": "cancelled", "failed": "not qualified: the run failed",
+             "interrupted": "interrupted"}.get(state, state)
+    return f"{words}: {error}" if error else words

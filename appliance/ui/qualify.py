@@ -20,8 +20,8 @@ from appliance.auth.middleware import client_address
 from appliance.errors import ApplianceError
 from appliance.qualify.chart import render_chart
 from appliance.qualify.ledger import Record
-from appliance.qualify.service import Request as QualifyRequest
-from appliance.qualify.service import summary
+from appliance.qualify.outcome import Request as QualifyRequest
+from appliance.qualify.outcome import summary
 from appliance.runtime import Runtime, runtime_of
 from appliance.ui.login import AdminRequest
 from appliance.ui.pages import GUARDED
@@ -97,6 +97,7 @@ class RunForm:
     repeats: str = "3"
     ladder: str = ""
     workload: str = "harsh"
+    continue_from: str = ""  # "continue the ladder": the lower-bound qualification's id
     confirm: str = ""
 
     def request(self) -> QualifyRequest:
@@ -105,7 +106,8 @@ class RunForm:
             return QualifyRequest(
                 floor=float(self.floor), repeats=int(self.repeats),
                 ttft_p90_max=float(self.ttft_p90_max) if self.ttft_p90_max.strip() else None,
-                ladder=ladder or None, workload=self.workload)
+                ladder=ladder or None, workload=self.workload,
+                continue_from=int(self.continue_from) if self.continue_from else None)
         except ValueError:
             raise ApplianceError(
                 "qualify_invalid", "the floor, the ceiling, the repeats and the steps must be "

@@ -63,6 +63,9 @@ def server_info(args: ServeArgs, cap: Capacity, core: Core, timings: Timings) ->
         "version": SGLANG_VERSION,
         "frontend": "python",
         "emulator": True,
+        # Wall seconds per modelled second (FAKE_SGLANG_TIME_SCALE): a qualification measures
+        # in the engine's time by it, as /metrics already reports.
+        "emulator_time_scale": core.time_scale,
     }
 
 
