@@ -111,6 +111,8 @@ class ServerConfig:
     )
     tls_cert: Path | None = _key(None, _absolute, "PEM certificate; enables HTTPS")
     tls_key: Path | None = _key(None, _absolute, "PEM private key for tls_cert")
+    cli_token_seconds: int = _key(120, _positive, "lifetime of the CLI's per-call API token; "
+                                  "a command following a long job renews it")
 
 
 @dataclasses.dataclass(frozen=True)

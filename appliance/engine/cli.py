@@ -16,7 +16,8 @@ import getpass
 import json
 import os
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -174,12 +175,35 @@ def exec_spec(path: Path, engines_dir: Path | None = None) -> NoReturn:
     os.execvpe(argv[0], argv, env)  # noqa: S606 - the whole point: become the engine
 
 
+class _RenewedToken(httpx.Auth):
+    """The call's token on every request, minted again once half its lifetime has passed:
+    a command that follows a long job (a qualification) keeps working until the job ends."""
+
+    def __init__(self, mint: Any, lifetime: float) -> None:
+        self._mint, self._lifetime = mint, lifetime
+        self._token, self._renew_at = "", 0.0
+        self.prefixes: list[str] = []
+
+    def renew(self) -> None:
+        self._token, prefix = self._mint()
+        self.prefixes.append(prefix)
+        self._renew_at = time.monotonic() + self._lifetime / 2
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        if time.monotonic() >= self._renew_at:
+            self.renew()
+        request.headers["Authorization"] = f"Bearer {self._token}"
+        yield request
+
+
 @contextlib.contextmanager
 def daemon_api(config: Config, command: str) -> Iterator[httpx.Client]:
-    """An HTTP client to the local daemon, carrying a 2-minute admin API token for this call
-    with exactly the role `command` (e.g. "engine status") needs (auth/roles.py's
-    CLI_COMMANDS): a read works on a box whose only ready account is a viewer. The token is
-    deleted when the call ends, whatever happened, so none is left in the token list."""
+    """An HTTP client to the local daemon, carrying an admin API token for this call with
+    exactly the role `command` (e.g. "engine status") needs (auth/roles.py's CLI_COMMANDS): a
+    read works on a box whose only ready account is a viewer. It lasts
+    `server.cli_token_seconds` (2 minutes) and is minted again before it lapses while the
+    call goes on. Every token the call minted is deleted when it ends, whatever happened, so
+    none is left in the token list."""
     from appliance.auth.accounts import list_admins
     from appliance.auth.roles import cli_role
     from appliance.auth.tokens import CLI_TOKEN_PREFIX, create_token, drop_cli_token
@@ -188,13 +212,13 @@ def daemon_api(config: Config, command: str) -> Iterator[httpx.Client]:
 
     db = Database(config.database_url)
     secret = server_secret(config.paths.state_dir)
-    now = dt.datetime.now(dt.UTC)
     try:
         user = getpass.getuser()
     except Exception:
         user = f"uid{os.getuid()}"
 
     role = cli_role(command)
+    lifetime = dt.timedelta(seconds=config.server.cli_token_seconds)
 
     def mint(s: Any) -> tuple[str, str]:
         ready = [a for a in list_admins(s) if not a.must_change_password]
@@ -208,17 +232,19 @@ def daemon_api(config: Config, command: str) -> Iterator[httpx.Client]:
                 "log in to the console once and choose a password, or create one with "
                 f"`appliance admin create --username NAME --role {role.value}`",
                 exit_code=EX_USAGE)
+        now = dt.datetime.now(dt.UTC)
         token, info = create_token(s, secret, able[0], f"{CLI_TOKEN_PREFIX}{user}"[:64], now,
-                                   now + dt.timedelta(minutes=2), role)
+                                   now + lifetime, role)
         return token, info.prefix
 
-    token, prefix = db.call(mint)
+    auth = _RenewedToken(lambda: db.call(mint), lifetime.total_seconds())
+    auth.renew()  # the first token now: a box without a ready account fails before any call
     server = config.server
     host = "127.0.0.1" if server.host in ("0.0.0.0", "::", "") else server.host  # noqa: S104
     scheme = "https" if config.tls else "http"
     client = httpx.Client(
         base_url=f"{scheme}://{host}:{server.port}", timeout=30, trust_env=False,
-        headers={"Authorization": f"Bearer {token}", "Host": "localhost"},
+        headers={"Host": "localhost"}, auth=auth,
         verify=False,  # noqa: S501 - loopback to this box's own daemon
     )
     try:
@@ -233,7 +259,11 @@ def daemon_api(config: Config, command: str) -> Iterator[httpx.Client]:
     finally:
         client.close()
         # The call's token goes with it (deleted, not revoked: it would stay listed for ever).
-        db.call(lambda s: drop_cli_token(s, prefix, dt.datetime.now(dt.UTC)))
+        def drop(s: Any) -> None:
+            for prefix in auth.prefixes:
+                drop_cli_token(s, prefix, dt.datetime.now(dt.UTC))
+
+        db.call(drop)
         db.dispose()
 
 
@@ -273,6 +303,9 @@ def describe_status(status: dict[str, Any]) -> str:
         lines.append(f"reason: {status['reason']}; {status.get('hint', '')}")
     if status.get("next_retry_at"):
         lines.append(f"next attempt at {_moment(status['next_retry_at'])}")
+    admission = status.get("admission")
+    if admission and not admission.get("admitting", True):  # READY, yet users are refused
+        lines.append(f"gateway: {admission['words']}")
     return "\n".join(lines)
 
 
