@@ -18,6 +18,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -173,6 +174,13 @@ def test_a_qualification_refuses_users_with_503_and_a_cancel_reopens(
     db.call(lambda s: write_qualifying(s, now + dt.timedelta(seconds=30), ends))
     body = wait_health(gateway, lambda b: b["admitting"] is False, "the qualifying refusal")
     assert f"being qualified (until {ends:%H:%M:%S} UTC)" in str(body["reason"])
+    # The admission it states is the refusal first, then the limit that applies after it.
+    admission: dict[str, Any] = body["admission"]  # type: ignore[assignment]
+    assert admission["admitting"] is False and admission["refusal"] == {
+        "reason": "a qualification is running", "until": ends.isoformat()}
+    assert str(admission["words"]).startswith(
+        f"refusing every user until about {ends:%H:%M:%S} UTC: a qualification is running")
+    assert "; then unqualified: admitting up to 4 at a time" in str(admission["words"])
     refused = httpx.post(f"{gateway.url}/v1/chat/completions", headers=auth(key),
                          json=chat_body(max_tokens=4), timeout=10)
     assert refused.status_code == 503

@@ -269,6 +269,8 @@ def test_apply_now_queues_an_engine_restart(page: Console, runtime: Runtime) -> 
     form = {"profile": "balanced", "ratio": "3", "when": "now"}
     asked = text_of(htmx(page, "POST", "/tuning/apply", form).text)
     assert "The engine restarts now. It is stopped: this starts it." in asked
+    assert "The new configuration is unqualified: until it is qualified the gateway admits " \
+        "up to the new engine's own slot count" in asked  # what admission is meanwhile
     assert "Apply and restart now" in asked
     done = text_of(htmx(page, "POST", "/tuning/apply", {**form, "confirm": "yes"}).text)
     assert "Engine restart queued: a cold start of Kimi K3 takes about 90 minutes" in done

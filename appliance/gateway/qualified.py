@@ -184,6 +184,18 @@ class AdmissionLimit:
         return body
 
 
+def after_new_spec(override: int = 0) -> str:
+    """How the gateway admits once the engine runs a new launch spec (another memory split):
+    the spec is unqualified, so it admits up to the new engine's own slot count until it is
+    qualified, unless the operator's `gateway.max_concurrency` (`override`) holds."""
+    if override > 0:
+        return (f"the new configuration is unqualified; the gateway keeps admitting up to "
+                f"{override} at a time (gateway.max_concurrency)")
+    return ("the new configuration is unqualified: until it is qualified the gateway admits "
+            "up to the new engine's own slot count (max_running_requests, what it can hold, "
+            "not a measured point), and no longer at this configuration's qualified point")
+
+
 def admission_limit(engine_limit: int | None, qualified: QualifiedPoint | None, *,
                     margin: int = 0, override: int = 0) -> AdmissionLimit:
     """The limit by the rules of the module doc."""

@@ -47,6 +47,7 @@ from appliance.auth.middleware import client_address
 from appliance.engine.schedule import list_scheduled
 from appliance.engine.states import LIVE
 from appliance.errors import ApplianceError
+from appliance.gateway.qualified import after_new_spec
 from appliance.qualify.compare import Measured, measured
 from appliance.qualify.ledger import list_qualifications
 from appliance.runtime import Runtime, runtime_of
@@ -163,6 +164,7 @@ def helpers(runtime: Runtime) -> dict[str, Any]:
     return {"tokens": format_tokens, "r": ratio_text, "binding": BINDING, "cap": sentence,
             "cost": runtime.supervisor.start_cost(), "engine_live": state in LIVE,
             "engine_state": state.label,
+            "admission_after": after_new_spec(runtime.config.gateway.max_concurrency),
             "now": runtime.clock.now().astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M")}
 
 
