@@ -10,7 +10,9 @@ OpenAI-compatible upstream stands in for it. The real `sglang-router` is tried e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from appliance.engine.publish import Published, write_qualifying
 from appliance.gateway.engine_gate import decide
 from appliance.gateway.qualified import CELL, CELL_UNKNOWN, CONFIGURED, FALLBACK_LIMIT, cell_limit
 from appliance.secrets import engine_auth_path, write_engine_auth
+from tests.conftest import free_port
 from tests.gateway_rig import (
     MODEL,
     LiveGateway,
@@ -98,8 +101,9 @@ def test_a_cell_that_does_not_serve_refuses_with_its_reason_and_eta() -> None:
     refusal = decide(engine(), cell(serving=False, message=reason, eta=150), LOCAL).refusal(NOW)
     assert refusal is not None
     assert (refusal.status, refusal.code, refusal.retry_after) == (503, "cell_unavailable", 150)
-    assert refusal.message == (f"the cell is not serving: {reason}; ready in about 2 min; "
-                               "retry later")
+    # The head's words carry its ETA; Retry-After is that same ETA, never a rounding of its
+    # own ("about 4 seconds left" beside Retry-After 30 was issue 25's).
+    assert refusal.message == f"the cell is not serving: {reason}; retry later"
     no_eta = decide(engine(), cell(serving=False, message=reason), LOCAL).refusal(NOW)
     assert no_eta is not None and no_eta.retry_after == 30
     assert "ready in" not in no_eta.message
@@ -114,6 +118,37 @@ def test_a_qualification_of_the_head_closes_the_gateway_in_a_cell_too() -> None:
     assert refusal is not None and refusal.code == "engine_qualifying"
     after = decide(leased, cell(), LOCAL).refusal(NOW + dt.timedelta(minutes=11))
     assert after is None  # a lapsed lease: the daemon is gone, the cell serves
+
+
+def test_the_routers_errors_become_the_gateways_own_without_internal_addresses() -> None:
+    """Issue 25: users read the router's 502 `Decode server error: error sending request for
+    url (http://127.0.0.1:…)` and its 503 `No available decode workers`."""
+    decode_error = (b'{"error": {"message": "Decode server error: error sending request for '
+                    b'url (http://10.0.0.6:30000/v1/chat/completions)", "code": '
+                    b'"decode_server_error"}}')
+    none_left = b"No available servers: No available decode workers (all circuits open)"
+    serving = decide(engine(), cell(), LOCAL)
+    for status, body in ((502, decode_error), (503, none_left), (504, b"timeout")):
+        error = serving.upstream_error(status, body, anthropic=False)
+        assert (error.status, error.code, error.retry_after) == (503, "cell_unavailable", 5)
+        assert "did not answer the cell's router" in error.message
+        assert "http" not in error.message and "Decode server" not in error.message
+    # once the head says why, its reason and ETA are the answer
+    lost = decide(engine(), cell(serving=False, message="no decode member is ready: member 2 "
+                                 "(10.0.0.6) is stopped", eta=40), LOCAL)
+    said = lost.upstream_error(502, decode_error, anthropic=True)
+    assert said.retry_after == 40 and "member 2 (10.0.0.6) is stopped" in said.message
+    other = serving.upstream_error(500, b'{"message": "Prefill server error (500): boom at '
+                                   b'http://10.0.0.5:30000/generate"}', anthropic=False)
+    assert other.code == "engine_error" and "http://" not in other.message
+    assert "an engine of the cell" in other.message
+    down = serving.unreachable(OSError("Connect call failed ('127.0.0.1', 30100)"))
+    assert down.code == "cell_unavailable" and "30100" not in down.message
+    # the single box's path is as it was
+    local = decide(engine(), None, LOCAL)
+    assert local.upstream_error(503, b'{"message": "busy"}', anthropic=False).code == \
+        "engine_error"
+    assert local.unreachable(OSError("refused")).code == "engine_unreachable"
 
 
 # --- live: a gateway in front of two emulators --------------------------------------------------
@@ -216,8 +251,7 @@ def test_while_the_cell_does_not_serve_users_get_its_reason_and_eta(
     assert refused.status_code == 503 and refused.headers["retry-after"] == "600"
     error = refused.json()["error"]
     assert error["code"] == "cell_unavailable"
-    assert error["message"] == (f"the cell is not serving: {reason}; ready in about 10 min; "
-                                "retry later")
+    assert error["message"] == f"the cell is not serving: {reason}; retry later"
     probe = health(live)
     assert probe.status_code == 503 and probe.json()["reason"] == error["message"]
     assert probe.json()["cell"]["serving"] is False
@@ -240,6 +274,89 @@ def test_while_the_cell_does_not_serve_users_get_its_reason_and_eta(
     db.call(lambda s: write_qualifying(s, None))
     live.wait_admitting()
     assert live.usage_rows(3)[-3][4] == "cell_unavailable"
+
+
+class CuttingRouter:
+    """A stand-in for the router in front of an engine that dies mid-stream: its stream
+    sends `chunks` events, then either ends cleanly without `[DONE]` (what the router does
+    when it finishes its side) or resets the connection (what a dead decode's cut does)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.port = free_port()
+        self.reset = False
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _serve(self) -> None:
+        from aiohttp import web
+
+        async def chat(request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for i in range(3):
+                chunk = {"id": "c", "object": "chat.completion.chunk", "model": MODEL,
+                         "created": 0, "choices": [{"index": 0, "delta": {"content": f"t{i} "},
+                                                    "finish_reason": None}]}
+                await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if self.reset and request.transport is not None:
+                request.transport.abort()  # the connection reset: no terminating chunk
+                return response
+            await response.write_eof()
+            return response
+
+        async def main() -> None:
+            app = web.Application()
+            app.router.add_post("/v1/chat/completions", chat)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", self.port).start()
+            self._ready.set()
+            await asyncio.Event().wait()
+
+        self._loop = asyncio.new_event_loop()
+        with contextlib.suppress(RuntimeError):
+            self._loop.run_until_complete(main())
+
+    def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+def test_a_stream_its_engine_cut_short_ends_with_an_error_the_sdk_raises(
+        live: LiveGateway) -> None:
+    """Issue 25: a stream whose decode engine died ended as a 200 with no `[DONE]` and no
+    error, so the client took 41 of 200 tokens for a whole answer."""
+    cutting = CuttingRouter()
+    try:
+        live.publish_cell(cutting.url, capacity=3)
+        wait_health(live, lambda b: "cell" in b and b["limit"] == 3, "the cell's route")
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key=live.key(), max_retries=0,
+                               timeout=30)
+        for reset in (False, True):
+            cutting.reset = reset
+            pieces: list[str] = []
+            with pytest.raises(openai.APIError) as raised:
+                for c in client.chat.completions.create(
+                        model=MODEL, stream=True,
+                        messages=[{"role": "user", "content": "cut me short"}]):
+                    pieces.extend(d.delta.content or "" for d in c.choices)
+            assert pieces == ["t0 ", "t1 ", "t2 "]  # what came, then the error
+            assert "stopped this stream after 3 chunks" in raised.value.message
+            assert "send the request again" in raised.value.message
+        rows = live.usage_rows(2)
+        assert [r[4] for r in rows[-2:]] == ["stream_interrupted", "upstream_error"]
+    finally:
+        cutting.stop()
 
 
 def test_a_request_to_the_router_goes_on_a_fresh_connection_and_the_engines_on_a_kept_one(

@@ -21,7 +21,10 @@ stored of it) plus this poll's outcome (`Observed`). Output: a frozen `CellView`
 - **message** and **eta_seconds**: while not serving, the refusal in the operator's words
   ("no decode member is ready: member 2 (10.0.0.6) is loading, about 40 minutes left; member
   3 (10.0.0.7) does not answer") and the smallest ETA among the loading engines of each
-  missing role (the larger of the two when both roles are missing).
+  missing role (the larger of the two when both roles are missing). Every ETA is rounded up
+  to tens of seconds (`shown_eta`) before it is put in words, so the words, the published
+  ETA and the gateway's Retry-After say the same number, and a few seconds left never
+  rounds to 0 ("no ETA": issue 25's "about 4 seconds left" beside Retry-After 30).
 
 Unified members serve alone: they are listed but are never workers.
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -220,6 +224,14 @@ class _Candidate:
     own: bool = False
 
 
+def shown_eta(seconds: float | None) -> float | None:
+    """An engine's ETA as the cell says it: rounded up to tens of seconds (fewer rewrites of
+    the gateway's row than a figure that moves every poll); None when unknown or past."""
+    if seconds is None or seconds <= 0:
+        return None
+    return math.ceil(seconds / 10) * 10.0
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -275,7 +287,7 @@ def _member_view(seen: Observed, head_key: str | None,
         facts = report.engine
         role, state, engine_url = facts.role, facts.state, facts.url
         bootstrap, capacity = facts.bootstrap_port, facts.capacity
-        eta, percent = facts.eta_seconds, facts.percent
+        eta, percent = shown_eta(facts.eta_seconds), facts.percent
     else:
         role = m.reported_role or m.role
         state, engine_url, bootstrap, capacity = (m.engine_state, m.engine_url,
@@ -313,12 +325,13 @@ def _own_candidate(own: EngineFacts, check: RouterCheck | None) -> _Candidate | 
     if own.role not in PD_ROLES:
         return None
     name = "this box (the head)"
-    problem = "" if own.state == READY else _state_words(name, own.state, own.eta_seconds)
+    eta = shown_eta(own.eta_seconds)
+    problem = "" if own.state == READY else _state_words(name, own.state, eta)
     if not problem and own.url is not None and check is not None \
             and (why := check(own.url)) is not None:
         problem = f"{name} is ready, but {why}"
     return _Candidate(name, own.role, own.url, own.bootstrap_port, own.state, own.capacity,
-                      own.eta_seconds, not problem and own.url is not None, problem, own=True)
+                      eta, not problem and own.url is not None, problem, own=True)
 
 
 def _candidates(own: EngineFacts, members: Iterable[MemberView],

@@ -355,10 +355,9 @@ class CellWatch:
 
     async def _publish(self, view: CellView) -> None:
         cell = self.config.cell
-        eta = None if view.eta_seconds is None else round(view.eta_seconds / 10) * 10.0
-        published = CellPublished(
+        published = CellPublished(  # the view's ETA is already in tens of seconds, rounded up
             active=view.active, upstream_url=worker_url(cell.router_host, cell.router_port),
-            serving=view.serving, message=view.message, eta_seconds=eta,
+            serving=view.serving, message=view.message, eta_seconds=view.eta_seconds,
             capacity=view.capacity, updated_at=view.at)
         if not self._published_read:
             self._published = await self.db.run(read_cell_published)

@@ -31,7 +31,7 @@ import msgspec
 
 from appliance.gateway import validate
 from appliance.gateway.admission import QueueFull, QueueTimeout, estimate_prompt_tokens
-from appliance.gateway.errors import GatewayError, rewrap_engine_error
+from appliance.gateway.errors import GatewayError, stream_cut
 from appliance.gateway.keycache import presented_key
 from appliance.gateway.keys import KeyEntry
 from appliance.gateway.parts import GatewayParts
@@ -138,12 +138,11 @@ class GatewayApp:
         published = route.published
         admission = parts.admission
         refusal = parts.gate.refusal()
-        stated = parts.admission_limit.during(published, parts.clock.now())
         body: dict[str, Any] = {
             "engine": published.state if published else "unknown",
             "admitting": refusal is None, "limit": admission.limit,
             "admitted": admission.in_use, "queued": admission.waiting,
-            "admission": stated.to_dict()}
+            "admission": parts.admission_limit.to_dict()}
         if route.cell is not None:
             body["cell"] = {"router": route.base_url, "serving": route.cell.serving,
                             "capacity": route.cell.capacity, "message": route.cell.message}
@@ -359,9 +358,9 @@ class GatewayApp:
                            else "") + "); restart the gateway, and the engine if that does "
                         "not help")
                 if response.status >= 400:
-                    raise rewrap_engine_error(response.status, await response.read(), anthropic)
+                    raise route.upstream_error(response.status, await response.read(), anthropic)
                 if parsed.stream and response.content_type == "text/event-stream":
-                    await self._stream(ex, parsed, response, send)
+                    await self._stream(ex, parsed, response, send, target)
                 else:
                     body = await response.read()
                     ex.ttft = time.perf_counter() - ex.started
@@ -375,21 +374,19 @@ class GatewayApp:
         except (TimeoutError, aiohttp.ServerTimeoutError):
             if ex.response_started:
                 ex.outcome = "upstream_timeout"
-                await _end_stream(send)
+                await _end_stream(send, _cut(ex, target, anthropic))
                 return
             raise GatewayError(504, "engine_timeout", f"{target} did not answer within "
                                "gateway.first_byte_timeout_seconds") from None
         except aiohttp.ClientError as exc:
             if ex.response_started:
                 ex.outcome = "upstream_error"
-                await _end_stream(send)
+                await _end_stream(send, _cut(ex, target, anthropic))
                 return
-            raise GatewayError(502, "engine_unreachable",
-                               f"could not reach {target} ({exc}); it may be restarting",
-                               retry_after=5) from None
+            raise route.unreachable(exc) from None
 
     async def _stream(self, ex: Exchange, parsed: Parsed, response: aiohttp.ClientResponse,
-                      send: Send) -> None:
+                      send: Send, target: str) -> None:
         meter = ex.meter = StreamMeter(strip_usage=not parsed.wants_usage)
         ex.usage = meter.usage  # filled in as the events pass
         ex.response_started = True
@@ -401,6 +398,9 @@ class GatewayApp:
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
         tail = meter.finish()
+        if not meter.ended:  # the upstream closed it cleanly, yet before its last event
+            ex.outcome = "stream_interrupted"
+            tail += _cut(ex, target, parsed.endpoint.anthropic)
         ex.response_done = True
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
@@ -452,9 +452,19 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-async def _end_stream(send: Send) -> None:
+def _cut(ex: Exchange, target: str, anthropic: bool) -> bytes:
+    """The error event that ends a stream its upstream cut short (nothing for a body that
+    was not a stream); a half-sent event is closed first."""
+    meter = ex.meter
+    if meter is None or ex.response_done:
+        return b""
+    event = stream_cut(target, meter.events).sse_event(anthropic)
+    return (b"\n\n" if meter.partial_sent else b"") + event
+
+
+async def _end_stream(send: Send, body: bytes = b"") -> None:
     with contextlib.suppress(Exception):
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 async def _respond(send: Send, status: int, body: bytes,

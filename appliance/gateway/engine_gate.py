@@ -24,22 +24,19 @@ closes it. `decide` is that choice, pure: a `Route` per poll.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from appliance.cell.published import CellPublished
 from appliance.clock import Clock, SystemClock
 from appliance.engine.publish import Published
-from appliance.gateway.errors import GatewayError
-from appliance.gateway.qualified import (
-    FALLBACK_LIMIT,
-    AdmissionLimit,
-    cell_limit,
-    qualifying_until,
-)
+from appliance.gateway.errors import GatewayError, rewrap_engine_error
+from appliance.gateway.qualified import FALLBACK_LIMIT, AdmissionLimit, cell_limit
 from appliance.gateway.upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -79,9 +76,38 @@ def unavailable(published: Published | None) -> GatewayError:
 
 def cell_unavailable(cell: CellPublished) -> GatewayError:
     """The refusal while the cell does not serve: the head's reason (which role has no member
-    READY, and why) and its ETA, as for one engine."""
-    return _not_serving("cell_unavailable", "the cell is not serving: " + (
-        cell.message or "no prefill or no decode member is ready"), cell.eta_seconds)
+    READY, and why, with the ETA in its words) and Retry-After that same ETA (the head rounds
+    it up to tens of seconds, appliance.cell.view.shown_eta), 30 s when none is known. No
+    "ready in about N min" is added: the head's words already say when, and a rounding of
+    their own would contradict them."""
+    eta = cell.eta_seconds
+    retry = min(3600, max(5, math.ceil(eta))) if eta is not None and eta > 0 else 30
+    return GatewayError(503, "cell_unavailable", "the cell is not serving: " + (
+        cell.message or "no prefill or no decode member is ready") + "; retry later",
+        retry_after=retry)
+
+
+# What the cell's router says of its engines (`Decode server error: error sending request for
+# url (http://10.0.0.6:30000/...)`) names internal addresses: never shown to a user.
+_URL = re.compile(r"\b(?:https?|grpc)://[^\s)\"',;]+")
+ROUTER_FAILED = ("a prefill or decode engine did not answer the cell's router (it is being "
+                 "restarted, or was lost: the head is checking its members)")
+ROUTER_DOWN = "the cell's router does not answer (the head starts it again within seconds)"
+ROUTER_RETRY = 5  # seconds: the head's watch sees a lost engine within a few polls
+
+
+def router_failure(cell: CellPublished, why: str) -> GatewayError:
+    """The gateway's own 503 for a request the cell's router could not serve (its 502, 503
+    or 504, or no answer): the head's reason and ETA when it already says the cell does not
+    serve, else `why` with a short Retry-After."""
+    if not cell.serving:
+        return cell_unavailable(cell)
+    return GatewayError(503, "cell_unavailable", f"the cell is not serving: {why}; retry "
+                        "later", retry_after=ROUTER_RETRY)
+
+
+def without_urls(text: str) -> str:
+    return _URL.sub("an engine of the cell", text)
 
 
 def _not_serving(code: str, message: str, eta_seconds: float | None) -> GatewayError:
@@ -98,7 +124,9 @@ def _not_serving(code: str, message: str, eta_seconds: float | None) -> GatewayE
 def qualifying(published: Published, now: dt.datetime) -> GatewayError:
     """The refusal while the box is being qualified: until the run's expected end when the
     daemon published one (else the lease's), Retry-After the seconds to it."""
-    until = qualifying_until(published, now) or now
+    until = published.qualifying_ends_at or published.qualifying_until or now
+    if published.qualifying_until is not None and until < published.qualifying_until:
+        until = published.qualifying_until  # ran over its estimate: the lease is renewed
     retry = min(QUALIFYING_RETRY_MAX,
                 max(QUALIFYING_RETRY_MIN, math.ceil((until - now).total_seconds())))
     return GatewayError(503, "engine_qualifying",
@@ -136,6 +164,26 @@ class Route:
         if self.cell is not None:
             return self.cell.serving
         return self.published is not None and self.published.admits_requests
+
+    def upstream_error(self, status: int, body: bytes, anthropic: bool) -> GatewayError:
+        """The error a user gets for the upstream's error answer. The engine's own is
+        passed on in the client's shape. Through the cell, the router's 502, 503 and 504
+        (an engine it could not reach, none it may send to, a timeout) are the gateway's own
+        `cell_unavailable` with Retry-After and the head's reason, and any other error's
+        words lose the internal addresses the router puts in them (issue 25)."""
+        if self.cell is None:
+            return rewrap_engine_error(status, body, anthropic)
+        if status in (502, 503, 504):
+            return router_failure(self.cell, ROUTER_FAILED)
+        error = rewrap_engine_error(status, body, anthropic)
+        return dataclasses.replace(error, message=without_urls(error.message))
+
+    def unreachable(self, exc: Exception) -> GatewayError:
+        """The error for an upstream that could not be reached at all."""
+        if self.cell is not None:
+            return router_failure(self.cell, ROUTER_DOWN)
+        return GatewayError(502, "engine_unreachable", f"could not reach {self.upstream_name} "
+                            f"({exc}); it may be restarting", retry_after=5)
 
     def refusal(self, now: dt.datetime) -> GatewayError | None:
         """The 503 a request gets now, or None. A qualification of the head closes the

@@ -51,6 +51,14 @@ class GatewayError(Exception):
     def body(self, anthropic: bool) -> bytes:
         return self.anthropic_body() if anthropic else self.openai_body()
 
+    def sse_event(self, anthropic: bool) -> bytes:
+        """The error as the last event of a stream already under way (its 200 is sent): the
+        OpenAI SDK raises APIError on a `data:` event holding `error`, Anthropic's on
+        `event: error`."""
+        if anthropic:
+            return b"event: error\ndata: " + self.anthropic_body() + b"\n\n"
+        return b"data: " + self.openai_body() + b"\n\n"
+
     def headers(self) -> list[tuple[bytes, bytes]]:
         headers = [(b"content-type", b"application/json")]
         if self.retry_after is not None:
@@ -58,6 +66,14 @@ class GatewayError(Exception):
         if self.status == 401:
             headers.append((b"www-authenticate", b'Bearer realm="appliance-gateway"'))
         return headers
+
+
+def stream_cut(upstream: str, chunks: int) -> GatewayError:
+    """What a stream cut short by its upstream ends with: how far it got, and what to do."""
+    return GatewayError(502, "stream_interrupted",
+                        f"{upstream} stopped this stream after {chunks} chunks, before its "
+                        "end (an engine serving it stopped); the answer is incomplete: send "
+                        "the request again", retry_after=5)
 
 
 def rewrap_engine_error(status: int, body: bytes, anthropic: bool) -> GatewayError:

@@ -7,6 +7,11 @@ came, except when the gateway itself asked for usage (the client did not): then 
 chunk (OpenAI's `"choices": []` chunk with a usage object) is cut out, and to do that cleanly
 whole events are forwarded and an incomplete tail waits for the next read.
 
+It also notes whether the stream ended as a stream ends (`ended`): OpenAI's `data: [DONE]`,
+Anthropic's `message_stop`, or an error event the engine sent itself. One that stops without
+it was cut (its engine died): the gateway then ends it with an error event of its own, so
+the client's SDK raises instead of taking a cut answer for a whole one (issue 25).
+
 `usage_of` does the same for a complete (non-streaming) JSON body. Both understand OpenAI's
 usage (`prompt_tokens`, `completion_tokens`, `prompt_tokens_details.cached_tokens`) and
 Anthropic's (`input_tokens`, `output_tokens`, `cache_read_input_tokens`).
@@ -22,6 +27,8 @@ from typing import Any
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 _SEP = b"\n\n"
+# A line of its own, so generated text (JSON-escaped: no raw newline) can never match.
+_END = re.compile(rb"(?m)^(?:data: ?\[DONE\]|event: ?(?:message_stop|error))\s*$")
 
 
 @dataclass
@@ -70,7 +77,14 @@ class StreamMeter:
         self.strip_usage = strip_usage
         self.usage = Usage()
         self.events = 0  # data events before [DONE]: generated chunks, roughly one per token
+        self.ended = False  # the stream's own last event was seen
         self._tail = b""
+
+    @property
+    def partial_sent(self) -> bool:
+        """Whether part of an event went out unfinished (only when not cutting: a cutting
+        meter holds an incomplete tail back)."""
+        return bool(self._tail) and not self.strip_usage
 
     def feed(self, chunk: bytes) -> bytes:
         """Account for `chunk`; returns the bytes to forward now."""
@@ -97,6 +111,8 @@ class StreamMeter:
         return kept[:-len(_SEP)] if kept.endswith(_SEP) else kept
 
     def _account(self, block: bytes, cut: bool = False) -> bytes:
+        if not self.ended and _END.search(block) is not None:
+            self.ended = True
         has_usage = _USAGE.search(block) is not None
         if not has_usage:
             self.events += block.count(b"data:") - block.count(b"data: [DONE]")
