@@ -26,7 +26,7 @@ import httpx
 import psutil
 import pytest
 
-from appliance.testing.fake_sglang.args import parse
+from appliance.testing.fake_sglang.args import SPEC_RESET_WARNING, parse
 from appliance.testing.fake_sglang.faults import FaultError, parse_faults
 from appliance.testing.fake_sglang.logwriter import bar_state
 from appliance.testing.fake_sglang.memory import (
@@ -36,13 +36,16 @@ from appliance.testing.fake_sglang.memory import (
     CapacityError,
     plan,
 )
+from appliance.testing.fake_sglang.resolution import k3_resolution
 from tests.conftest import free_port, wait_for
 
 SHARDS = 3
 SHARD_BYTES = 3 << 20
 MARKERS = [
     "fake_sglang: SGLang 0.5.23 ENGINE EMULATOR",
-    "server_args=ServerArgs(",
+    # what 0.5.23's argument resolution logs for K3 under DCP, before `server_args=`
+    "] Kimi-K3 DCP keeps decode attention backend 'cutedsl_mla' (prefill=None -> 'trtllm_mla').",
+    "] server_args={'model_path': ",
     " TP0] Init parallel begin.",
     " TP7] Init parallel begin.",
     " TP0] Init parallel ends.",
@@ -239,6 +242,25 @@ def test_faults_parse_and_refuse_unknown_items() -> None:
         parse_faults("explode")
     with pytest.raises(FaultError, match="needs a value"):
         parse_faults("hang_at")
+
+
+def test_the_argument_resolution_logs_what_sglangs_k3_hooks_log() -> None:
+    k3 = "KimiK3ForConditionalGeneration"
+    dcp = k3_resolution(parse(["/m", "--tp-size", "8", "--dcp-size", "8"]), k3, mxfp4=True)
+    assert dcp == [
+        "Kimi-K3 DCP keeps decode attention backend 'cutedsl_mla' (prefill=None -> "
+        "'trtllm_mla').",
+        "Kimi-K3 on SM100/SM103/SM107: moe_runner_backend=flashinfer_mxfp4 (FlashInfer SiTU "
+        "kernels)."]
+    spec = k3_resolution(parse(["/m", "--speculative-algorithm", "DSPARK"]), k3, mxfp4=False)
+    assert spec[0].startswith("Kimi-K3 DSPARK on SM100/SM103") and spec[1] == SPEC_RESET_WARNING
+    assert spec[2].startswith("Kimi hybrid model with speculative decoding: pinning")
+    assert spec[3].startswith("Kimi hybrid DSPARK: defaulting")
+    pinned = parse(["/m", "--speculative-algorithm", "DSPARK", "--max-running-requests", "8",
+                    "--attention-backend", "triton", "--linear-attn-verify-backend", "triton",
+                    "--speculative-draft-attention-backend", "triton"])
+    assert k3_resolution(pinned, k3, mxfp4=False) == []  # the operator's choices stand
+    assert k3_resolution(parse(["/m"]), "LlamaForCausalLM", mxfp4=False) == []
 
 
 def test_bar_state_is_tqdm_shaped() -> None:

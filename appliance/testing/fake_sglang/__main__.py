@@ -12,7 +12,9 @@ Environment:
                                honoured as SGLang does (the last two: `disagg.py`)
 Exit codes: 0 after a SIGTERM drain; 2 for a bad argv (argparse) or a bad FAKE_SGLANG_* value;
 1 for a dead rank during startup or a refused argv; -9 (SIGKILL) after a child crash; -15 when
-SIGTERM arrives before the server is ready (Python's default action, as in SGLang).
+SIGTERM arrives before the server is ready (Python's default action, as in SGLang), or
+after it but before any request reached its tokenizer manager (uvicorn's handler, then the
+signal's default action: `lifecycle.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from appliance.testing.fake_sglang.gpustate import GpuStateFile
 from appliance.testing.fake_sglang.logwriter import LogWriter
 from appliance.testing.fake_sglang.memory import Capacity, CapacityError, plan
 from appliance.testing.fake_sglang.ranks import Children, RankDied
+from appliance.testing.fake_sglang.resolution import prelaunch_lines
 from appliance.testing.fake_sglang.startup import Startup, inspect_model
 from appliance.testing.fake_sglang.tracebacks import SITE, scheduler_died
 
@@ -73,12 +76,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     gpu_path = Path(os.environ["FAKE_SGLANG_GPU_STATE"]) \
         if os.environ.get("FAKE_SGLANG_GPU_STATE") else None
-    log = LogWriter()
+    log = LogWriter(tp_size=args.tp_size)
     log.line(f"fake_sglang: SGLang 0.5.23 ENGINE EMULATOR (appliance.testing.fake_sglang), a "
              f"test and demo instrument: no GPU, no model, synthetic text. A full start takes "
              f"{load_seconds:g} s here (about 86 min on the real box).")
-    log.line(args.server_args_line())
     model = inspect_model(args.model_path)
+    for line in prelaunch_lines(args, model.architecture, model.mxfp4):
+        log.line(line)
+    log.line(args.server_args_line())
     capacity: Capacity | CapacityError
     try:
         capacity = plan(args, model.context_len)

@@ -298,8 +298,10 @@ class ServeArgs:
         return "sglang serve " + shlex.join(self.argv)
 
     def resolved(self) -> dict[str, object]:
-        """The flag values with the emulator's resolutions applied (server_info's top level).
-        API keys are never echoed."""
+        """The flag values with the emulator's resolutions applied (server_info's top level
+        and the `server_args=` log line). API keys are echoed IN CLEAR, as SGLang 0.5.23 does
+        (`resolved_dict()` through `redact_watermark_secrets`, which redacts only watermark
+        secrets): the appliance must keep them out of what it shows, not the engine."""
         values = dict(self.values)
         values["served_model_name"] = self.served_model_name
         values["tokenizer_path"] = self.model_path
@@ -310,15 +312,14 @@ class ServeArgs:
         values["mamba_radix_cache_strategy"] = self.mamba_radix_cache_strategy
         values["chunked_prefill_size"] = self.chunked_prefill_size
         values["page_size"] = self.page_size
-        for secret in ("api_key", "admin_api_key"):
-            if values.get(secret) is not None:
-                values[secret] = "<redacted>"
+        values.pop("config", None)  # merged into the other flags, not a ServerArgs field
         return values
 
     def server_args_line(self) -> str:
-        """`server_args=ServerArgs(...)`, as engine.py logs it (resolved values)."""
-        body = ", ".join(f"{key}={value!r}" for key, value in self.resolved().items())
-        return f"server_args=ServerArgs({body})"
+        """`server_args={...}`, as 0.5.23's engine.py logs it: the `repr` of
+        `_server_args_for_logging(server_args)`, a dict of the resolved values, `api_key`
+        included in clear."""
+        return f"server_args={self.resolved()!r}"
 
 
 def parse(argv: Sequence[str]) -> ServeArgs:

@@ -38,7 +38,7 @@ import itertools
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -148,6 +148,8 @@ class Core:
         self.waiting: deque[Request] = deque()
         self.status = "Starting"  # Starting -> Up (after warmup) -> UnHealthy (failed check)
         self.draining = False
+        self.handle_loop_started = False
+        self.on_handle_loop: Callable[[], None] | None = None  # lifecycle.py: arms the drain
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_requests_total = 0
@@ -266,6 +268,16 @@ class Core:
         self._prune(int(self.clock()))
         return sum(n for _, n in self._recent) / THROUGHPUT_WINDOW
 
+    def auto_create_handle_loop(self) -> None:
+        """SGLang's `TokenizerManager.auto_create_handle_loop`: the first request that reaches
+        the tokenizer manager (a generation, warmup included; a health check that generates;
+        `/server_info`, `/v1/loads`, `/flush_cache`) starts its loop, which installs the
+        SIGTERM drain handler. Before it SIGTERM is uvicorn's: no drain (lifecycle.py)."""
+        if not self.handle_loop_started:
+            self.handle_loop_started = True
+            if self.on_handle_loop is not None:
+                self.on_handle_loop()
+
     def ready(self) -> bool:
         """SGLang's `/ready`: started, not draining, not unhealthy."""
         return self.status == "Up" and not self.draining
@@ -322,6 +334,7 @@ class Core:
         (`req.bootstrap`, on a prefill or decode engine) hands its KV over first, and a
         prefill's one token waits for the handover (`disagg.py`; failures raise
         `EngineAbort`)."""
+        self.auto_create_handle_loop()
         handover, boot = self.handover, req.bootstrap
         if handover is None or boot is None:
             async with contextlib.aclosing(self._generate(req)) as tokens:

@@ -4,12 +4,17 @@ A test and demo instrument (`appliance.testing.fake_sglang`).
 As in SGLang 0.5.23 (shared/reference/sglang-0.5.23.md, section 5):
 - the port is bound only now, after the weights, pools and graphs;
 - after the warmup `POST /generate`: `The server is fired up and ready to roll!`;
-- SIGTERM logs `SIGTERM received. signum=None frame=None. Draining requests and shutting
+- SIGTERM, once a request has reached the tokenizer manager (the warmup, a generation, a
+  health check that generates, `/server_info`, `/v1/loads`: `Core.auto_create_handle_loop`),
+  logs `SIGTERM received. signum=None frame=None. Draining requests and shutting
   down...` (the handler is registered with `loop.add_signal_handler`, which passes no
   arguments, hence the Nones), turns `/health*` and `/ready` to 503, keeps serving (new
   requests too), logs `Gracefully exiting... Remaining number of requests N. ...` until none
   remain (every 5 s in SGLang; here scaled with the load time, 1 s at the default 20 s), then
-  stops the children and exits 0. An UnHealthy server or `SGL_FORCE_SHUTDOWN=1` skips the wait;
+  stops the children and exits 0. An UnHealthy server or `SGL_FORCE_SHUTDOWN=1` skips the wait.
+  Before any such request (`--skip-server-warmup`, only `/health` or `/v1/models` asked)
+  SIGTERM is uvicorn's: the server stops at once, no drain line, and the process dies of the
+  signal (exit 143), as the real 0.5.23 does on the CPU box;
 - a child that dies (exit code other than 0) makes the watchdog log `Subprocess scheduler_<i>
   (or detokenizer) (pid=...) crashed with exit code <c>. Triggering SIGQUIT for cleanup...`;
   SIGQUIT logs `SIGQUIT received. ... It usually means one child failed.` and kills the whole
@@ -79,6 +84,7 @@ class Lifecycle:
         self.core = Core(args, cap, faults, log)
         self.drain_seconds = min(5.0, max(0.25, load_seconds / 20))
         self.stopping = False
+        self.uvicorn_exit = False  # SIGTERM reached uvicorn's handler, not SGLang's drain
         self.exit_code = 0
         self.done = asyncio.Event()
         self.tasks: set[asyncio.Task[None]] = set()
@@ -112,7 +118,9 @@ class Lifecycle:
                 return failed[0] if failed else 1
             await asyncio.sleep(0.02)
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self.on_sigterm)
+        loop.add_signal_handler(signal.SIGTERM, self.on_uvicorn_sigterm)
+        self.core.on_handle_loop = lambda: loop.add_signal_handler(signal.SIGTERM,
+                                                                   self.on_sigterm)
         loop.add_signal_handler(signal.SIGQUIT, self.on_sigquit)
         loop.add_signal_handler(signal.SIGINT, self.on_sigint)
         self.spawn(self.watchdog())
@@ -135,6 +143,12 @@ class Lifecycle:
         for task in list(self.tasks):
             task.cancel()
         self.gpu.clear(self.args.tp_size)
+        if self.uvicorn_exit:
+            # uvicorn's capture_signals re-raises the signal it caught once the server is
+            # down; SIGTERM's action is the default then: the process dies of it (143).
+            sys.stderr.flush()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGTERM)
         return self.exit_code
 
     def warmup(self) -> None:
@@ -160,6 +174,16 @@ class Lifecycle:
                 conn.close()
 
     # -- signals --------------------------------------------------------------------------
+    def on_uvicorn_sigterm(self) -> None:
+        """SIGTERM before any request reached the tokenizer manager (no warmup, only `/health`
+        and the like): uvicorn's `handle_exit`. The server stops with no drain and no
+        SGLang line, the children die with their parent (PDEATHSIG), and the process ends by
+        the signal itself: exit 143 (-15 to Popen)."""
+        self.uvicorn_exit = True
+        self.stopping = True
+        self.children.kill_all()
+        self.done.set()
+
     def on_sigterm(self) -> None:
         self.log.line("SIGTERM received. signum=None frame=None. Draining requests and "
                       "shutting down...")

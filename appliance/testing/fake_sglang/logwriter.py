@@ -1,9 +1,10 @@
 """SGLang 0.5.23's log format, written by the engine emulator (a test and demo instrument).
 
 `[%(asctime)s{prefix}] %(message)s` with `%Y-%m-%d %H:%M:%S` (srt/utils/common.py), prefix
-` TP{n}` for a scheduler rank; real wall-clock time. Everything goes to stderr, flushed at
-once, like SGLang's logging handler. tqdm bars are drawn the way the reference sample shows
-them: states separated by `\\r` on one line, a newline when the bar closes.
+` TP{n}` for a scheduler rank when tp_size > 1; real wall-clock time. Everything goes to
+stderr, flushed at once, like SGLang's logging handler. tqdm bars are drawn the way the
+reference sample shows them: states separated by `\\r` on one line, a newline when the bar
+closes.
 """
 
 from __future__ import annotations
@@ -44,9 +45,12 @@ def bar_state(done: int, total: int, elapsed: float, desc: str = BAR_DESC) -> st
 class LogWriter:
     """Writes SGLang-format lines and tqdm bars to one stream (stderr by default)."""
 
-    def __init__(self, stream: TextIO | None = None) -> None:
+    def __init__(self, stream: TextIO | None = None, tp_size: int = 1) -> None:
         self._stream = stream if stream is not None else sys.stderr
         self._bar_open = False
+        # scheduler.py: the ` TP{n}` part is added only when tp_size > 1, so a TP1 engine's
+        # scheduler records look like the main process's (seen on the real CPU engine)
+        self._ranked = tp_size > 1
 
     def _write(self, text: str) -> None:
         try:
@@ -59,7 +63,7 @@ class LogWriter:
         if self._bar_open:
             self._write("\n")
             self._bar_open = False
-        prefix = "" if rank is None else f" TP{rank}"
+        prefix = "" if rank is None or not self._ranked else f" TP{rank}"
         self._write(f"[{stamp()}{prefix}] {message}\n")
 
     def ranks(self, message: str, tp_size: int) -> None:

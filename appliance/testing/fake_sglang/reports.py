@@ -24,22 +24,23 @@ from appliance.engine.flags import SGLANG_VERSION
 from appliance.testing.fake_sglang.args import ServeArgs
 from appliance.testing.fake_sglang.core import Core
 from appliance.testing.fake_sglang.memory import Capacity
-from appliance.testing.fake_sglang.startup import Model, Timings
+from appliance.testing.fake_sglang.startup import GRAPH_PHASES, Model, Timings, graph_phase
 
 ACCELERATOR = "NVIDIA B300 SXM6 AC"
 
 
 def memory_usage(cap: Capacity, graph_key: str) -> dict[str, Any]:
+    graph = dict.fromkeys(GRAPH_PHASES, 0.0) | {graph_key: round(cap.graph_gb, 3)}
     return {"weight": round(cap.weights_gb, 3), "kvcache": round(cap.kv_gb, 3),
             "startup_available": round(cap.ready_avail_gb, 3), "token_capacity": cap.kv_tokens,
-            "token_capacity_swa": None, "graph": {graph_key: round(cap.graph_gb, 3)}}
+            "token_capacity_swa": None, "graph": graph}
 
 
 def server_info(args: ServeArgs, cap: Capacity, core: Core, timings: Timings) -> dict[str, Any]:
     """Resolved args, `launch_command`, scheduler info and one internal state (dp=1).
     `context_len` is an emulator extra; real SGLang reports it as /v1/models max_model_len."""
     resolved = args.resolved()
-    graph_key = "target_verify" if args.speculative else "target_decode"
+    graph_key = graph_phase(args)
     internal = {
         **resolved,
         "max_mamba_cache_size": cap.state_slots,

@@ -41,6 +41,8 @@ from appliance.testing.fake_sglang.openai_serving import OpenAIServing
 from appliance.testing.fake_sglang.startup import Model, Timings
 
 OPEN_PREFIXES = ("/health", "/ready", "/metrics", "/emulator/")
+DEPRECATED = ("Endpoint '{old}' is deprecated and will be removed in a future version. "
+              "Please use '{new}' instead.")
 FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
            "or waiting requests, the operation will not be performed.)\n")
 
@@ -64,8 +66,8 @@ class App:
         messages = AnthropicServing(args, cap, core)
         self.get_routes: dict[str, Handler] = {
             "/health": self.health, "/health_generate": self.health, "/ready": self.ready,
-            "/server_info": self.server_info, "/get_server_info": self.server_info,
-            "/model_info": self.model_info, "/get_model_info": self.model_info,
+            "/server_info": self.server_info, "/get_server_info": self.get_server_info,
+            "/model_info": self.model_info, "/get_model_info": self.get_model_info,
             "/v1/models": self.models, "/v1/loads": self.loads, "/metrics": self.metrics,
             "/flush_cache": self.flush_cache, "/emulator/stats": self.stats, "/": self.root,
         }
@@ -126,6 +128,7 @@ class App:
                 os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1") in ("0", "false"):
             await respond(send, 200)
             return
+        core.auto_create_handle_loop()  # its one-token generation goes through the tokenizer
         if self.core.faults.unhealthy:
             tic = time.strftime("%H:%M:%S")
             timeout = health_check_timeout()
@@ -149,11 +152,20 @@ class App:
 
     # -- reports --------------------------------------------------------------------------
     async def server_info(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.core.auto_create_handle_loop()  # get_internal_state asks the schedulers
         await respond(send, 200,
                       reports.server_info(self.args, self.cap, self.core, self.timings))
 
+    async def get_server_info(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.log.line(DEPRECATED.format(old="/get_server_info", new="/server_info"))
+        await self.server_info(scope, receive, send)
+
     async def model_info(self, scope: Scope, receive: Receive, send: Send) -> None:
         await respond(send, 200, reports.model_info(self.args, self.model))
+
+    async def get_model_info(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.log.line(DEPRECATED.format(old="/get_model_info", new="/model_info"))
+        await self.model_info(scope, receive, send)
 
     async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
         card = oai.model_card(self.args.served_model_name, self.cap.context_len, self.created)
@@ -178,6 +190,7 @@ class App:
                     f"Invalid include sections: {include - set(reports.SECTIONS)}. "
                     f"Valid options: {sorted(reports.SECTIONS)}")})
                 return
+        self.core.auto_create_handle_loop()  # get_loads asks the schedulers
         body = reports.loads(self.cap, self.core, self.args.tp_size, include)
         if query.get("format", [""])[0] == "prometheus":
             await respond(send, 200, reports.loads_prometheus(body["loads"][0]),
@@ -194,6 +207,7 @@ class App:
 
     # -- cache and emulator stats ----------------------------------------------------------
     async def flush_cache(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.core.auto_create_handle_loop()
         if self.core.flush_cache():
             await respond(send, 200, FLUSHED, "text/plain; charset=utf-8")
         else:

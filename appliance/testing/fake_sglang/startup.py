@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.testing.fake_sglang.args import SPEC_RESET_WARNING, ServeArgs
+from appliance.testing.fake_sglang.args import ServeArgs
 from appliance.testing.fake_sglang.faults import Faults
 from appliance.testing.fake_sglang.gpustate import GpuStateFile
 from appliance.testing.fake_sglang.logwriter import LogWriter, bar_state
@@ -45,6 +45,7 @@ class Model:
     model_type: str = "kimi_k3"
     quant: str | None = K3_QUANT
     context_len: int | None = None
+    mxfp4: bool = False  # quantization_config names an mxfp4 format (K3's MoE runner choice)
 
     @property
     def total_bytes(self) -> int:
@@ -75,7 +76,20 @@ def inspect_model(model_path: str) -> Model:
         quant=str(quant.get("quant_method")) if isinstance(quant, dict)
         and quant.get("quant_method") else None,
         context_len=ctx if isinstance(ctx, int) and ctx > 0 else None,
+        mxfp4="mxfp4" in json.dumps(quant) if isinstance(quant, dict) else False,
     )
+
+
+# model_executor/graph_memory_usage.py GRAPH_MEMORY_USAGE_KEYS: every phase is reported, the
+# ones not captured as 0 (the startup timings line, /server_info's memory_usage.graph).
+GRAPH_PHASES = ("prefill", "decode", "target_verify", "draft_prefill", "draft_decode",
+                "draft_extend")
+
+
+def graph_phase(args: ServeArgs) -> str:
+    """The phase the emulator's one capture is: the target's decode, or its verify under
+    speculative decoding."""
+    return "target_verify" if args.speculative else "decode"
 
 
 @dataclass(frozen=True)
@@ -121,8 +135,6 @@ class Startup:
     def run(self) -> tuple[Capacity, Timings]:
         started = time.time()
         log, tp = self.log, self.tp
-        if self.args.speculative and self.args.values.get("max_running_requests") is None:
-            log.line(SPEC_RESET_WARNING)
         if not self.model.files:
             log.line(f"fake_sglang (emulator): no *.safetensors under {self.model.path}; "
                      f"pacing {PSEUDO_SHARDS} pretend shards instead of reading files.")
@@ -154,10 +166,11 @@ class Startup:
         timings = Timings(started=started, load_weight=load_elapsed,
                           kv_cache_allocation=self.kv_elapsed, cuda_graph=capture,
                           scheduler_e2e=e2e)
-        graph = "target_verify" if self.args.speculative else "target_decode"
+        graphs = dict.fromkeys(GRAPH_PHASES, 0.0) | {graph_phase(self.args): capture}
+        phases = ", ".join(f"{phase}={seconds:.2f}" for phase, seconds in graphs.items())
         log.line(f"Engine startup timings (s): load_weight={load_elapsed:.2f}, kv_cache_allocation"
-                 f"={self.kv_elapsed:.2f}, scheduler_e2e={e2e:.2f}, cuda_graph={{{graph}="
-                 f"{capture:.2f}}}, tokenizer_e2e={e2e * 0.0006:.2f}")
+                 f"={self.kv_elapsed:.2f}, scheduler_e2e={e2e:.2f}, cuda_graph={{{phases}}}, "
+                 f"tokenizer_e2e={e2e * 0.0006:.2f}")
         return cap, timings
 
     def load_weights(self, load_start: float) -> None:
