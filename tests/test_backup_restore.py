@@ -10,18 +10,23 @@ import asyncio
 import dataclasses
 import datetime as dt
 import hashlib
+import io
+import json
 import tarfile
 import threading
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select, text
 
 from appliance.config import Config, load_config
 from appliance.db.database import Database
-from appliance.db.journal import add_audit
+from appliance.db.journal import add_audit, add_event
 from appliance.db.models import AuditEntry, UsageRequest
 from appliance.db.schema import migrate
+from appliance.engine.records import open_run, update_run
 from appliance.errors import AlreadyRunning, ApplianceError
 from appliance.gateway.keys import create_key, list_keys, load_entries, revoke_key
 from appliance.health.model import Level
@@ -31,6 +36,7 @@ from appliance.ops.crypto import PassphraseWrong
 from appliance.ops.jobs import tick
 from appliance.ops.restore import BackupRefused, restore
 from appliance.ops.schedule import backup_check
+from appliance.ops.unpack import read_manifest
 from appliance.resources import migrations_dir
 from appliance.runtime import build_runtime
 from appliance.secrets import server_secret
@@ -225,9 +231,9 @@ def test_restore_on_a_clean_box_brings_back_keys_usage_and_audit(tmp_path: Path)
     assert (out.stat().st_mode & 0o777) == 0o600
     with tarfile.open(out) as tar:
         names = tar.getnames()
-    assert names[-1] == "MANIFEST.json"
+    assert names[:2] == ["MANIFEST.json", "MANIFEST.mac"]  # read and checked before the rest
     assert set(names) == {"database.sqlite", "secrets.enc", "config/appliance.toml",
-                          "engine/launch-spec.json", "MANIFEST.json"}
+                          "engine/launch-spec.json", "MANIFEST.json", "MANIFEST.mac"}
     status = bk.read_status(old.paths.state_dir)
     assert status.last_success_file == str(out) and status.last_success_secrets
 
@@ -256,9 +262,10 @@ def test_without_the_secrets_the_restore_says_keys_will_not_work(tmp_path: Path)
     out = bk.create_backup(old, tmp_path / "plain.tar", passphrase=None, now=NOW).path
     fresh = new_box(tmp_path / "new")
     report = restore(fresh, out, passphrase=None, script_location=migrations_dir(), now=NOW,
-                     actor="test")
+                     actor="test", unverified=True)
     text_ = "\n".join(report.lines())
     assert "will NOT work" in text_ and "taken without them" in text_
+    assert "restored --unverified" in text_
     assert facts(fresh)["keys"] == want["keys"]
     assert not authenticates(fresh, str(want["key"]))
 
@@ -298,7 +305,8 @@ def test_a_damaged_compressed_file_is_refused_by_the_cli(tmp_path: Path) -> None
     flip_byte(out, out.stat().st_size // 2)
     fresh = new_box(tmp_path / "new")
     before = state_digest(fresh)
-    done = run_cli("--config", fresh.source, "restore", str(out), "--no-secrets")
+    done = run_cli("--config", fresh.source, "restore", str(out), "--no-secrets",
+                   "--unverified")
     assert done.returncode == 65, done.stdout + done.stderr
     assert f"the backup {out} is damaged" in done.stderr
     assert "hint: use another copy of this backup" in done.stderr
@@ -311,13 +319,13 @@ def test_a_wrong_passphrase_is_refused_and_nothing_changes(tmp_path: Path) -> No
     out = bk.create_backup(old, tmp_path / "box.tar.gz", passphrase=PASSPHRASE, now=NOW).path
     fresh = new_box(tmp_path / "new")
     before = state_digest(fresh)
-    with pytest.raises(PassphraseWrong, match=r"the passphrase does not open secrets\.enc"):
+    with pytest.raises(PassphraseWrong, match=r"the passphrase does not open the backup box"):
         restore(fresh, out, passphrase="not the passphrase at all", now=NOW, actor="test",
                 script_location=migrations_dir())
     assert state_digest(fresh) == before
     done = run_cli("--config", fresh.source, "restore", str(out), "--passphrase-file",
                    str(passphrase_file(tmp_path, "another wrong passphrase")))
-    assert done.returncode == 65 and "does not open secrets.enc" in done.stderr
+    assert done.returncode == 65 and "does not open the backup box.tar.gz" in done.stderr
     assert state_digest(fresh) == before
 
 
@@ -331,7 +339,7 @@ def test_a_backup_from_a_newer_schema_is_refused(tmp_path: Path) -> None:
     before = state_digest(fresh)
     with pytest.raises(BackupRefused, match="0099_future, newer than this release knows"):
         restore(fresh, out, passphrase=None, script_location=migrations_dir(), now=NOW,
-                actor="test")
+                actor="test", unverified=True)
     assert state_digest(fresh) == before
 
 
@@ -351,7 +359,7 @@ def test_a_backup_from_an_older_schema_is_migrated(tmp_path: Path) -> None:
     assert out.manifest["schema_revision"] == "0007_health"
     fresh = new_box(tmp_path / "new")
     report = restore(fresh, out.path, passphrase=None, script_location=migrations_dir(),
-                     now=NOW, actor="test")
+                     now=NOW, actor="test", unverified=True)
     assert "migrated from schema 0007_health to " + HEAD in report.restored[0]
     db = Database(fresh.database_url)
     try:
@@ -384,10 +392,10 @@ def test_a_box_in_use_is_replaced_only_with_force(tmp_path: Path) -> None:
     before = state_digest(busy)
     with pytest.raises(ApplianceError, match="already holds 3 API keys and 25 usage records"):
         restore(busy, out, passphrase=None, script_location=migrations_dir(), now=NOW,
-                actor="test")
+                actor="test", unverified=True)
     assert state_digest(busy) == before
     restore(busy, out, passphrase=None, script_location=migrations_dir(), now=NOW,
-            actor="test", force=True)
+            actor="test", force=True, unverified=True)
     assert facts(busy)["keys"] == want["keys"]
 
 
@@ -486,3 +494,222 @@ def test_a_postgresql_box_round_trips_through_pg_dump(tmp_path: Path) -> None:
         assert got["keys"] == want["keys"] and got["usage"] == want["usage"]
         assert got["audit"] == int(str(want["audit"])) + 1
         assert authenticates(fresh, str(want["key"]))
+
+
+# --- secrets stay sealed, and a changed file is refused (issue 22) ----------------------------
+
+HUB = "hf_BackupPlantedHubToken0123456789"
+HOOK = "https://hooks.example.com/services/T0/B0/BackupWebhookSecret77"
+SECRET_CONFIG = (f'[weights]\ntoken = "{HUB}"\n\n[health]\nwebhook_url = "{HOOK}"\n')
+
+
+def members_of(path: Path) -> list[tuple[str, bytes]]:
+    with tarfile.open(path) as tar:
+        return [(m.name, tar.extractfile(m).read())  # type: ignore[union-attr]
+                for m in tar.getmembers()]
+
+
+def write_members(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def with_manifest(members: list[tuple[str, bytes]], change: Any) -> list[tuple[str, bytes]]:
+    out = []
+    for name, data in members:
+        if name == bk.MANIFEST:
+            manifest = json.loads(data)
+            change(manifest)
+            data = json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n"
+        out.append((name, data))
+    return out
+
+
+def test_a_backup_holds_no_secret_in_clear_and_restore_puts_them_back(tmp_path: Path) -> None:
+    """The Hub token and the webhook URL in the configuration file, and in an event row and
+    an engine run's reason (what a failed delivery or a crash wrote), appear nowhere in the
+    backup but inside secrets.enc; the plain configuration copy still parses; a restore with
+    the passphrase puts the file back as it was, and one without says what to set again."""
+    old = new_box(tmp_path / "old", SECRET_CONFIG)
+    server_secret(old.paths.state_dir)
+    db = Database(old.database_url)
+    db.call(lambda s: add_event(s, at=NOW, severity="warning", source="health",
+                                message=f"the webhook {HOOK} answered 500",
+                                detail={"url": HOOK}))
+    run = db.call(lambda s: open_run(s, at=NOW, runner="process", spec_hash="ab",
+                                     spec_json="{}", attempt=1, state="FAILED", log_path=""))
+    db.call(lambda s: update_run(s, run.id, reason=f"token {HUB} refused"))
+    db.dispose()
+    secrets = {"Hub token": HUB, "webhook": HOOK, "webhook secret": "BackupWebhookSecret77",
+               "server.key": (old.paths.state_dir / "secrets" / "server.key").read_text()
+               .strip()}
+    for passphrase in (PASSPHRASE, None):
+        out = bk.create_backup(old, tmp_path / f"b-{passphrase is None}.tar.gz",
+                               passphrase=passphrase, now=NOW)
+        members = dict(members_of(out.path))
+        for name, data in members.items():
+            if name == bk.SECRETS_MEMBER:
+                continue
+            for what, value in secrets.items():
+                assert value.encode() not in data, f"{what} in clear in {name}"
+        plain = tomllib.loads(members[bk.CONFIG_MEMBER].decode())
+        assert plain["weights"]["token"] == "[sealed: Hub token]"
+        assert plain["health"]["webhook_url"] == "[sealed: webhook URL]"
+        assert set(out.manifest["config"]["secret_settings"]) == {"weights.token",
+                                                                  "health.webhook_url"}
+        assert out.manifest["scrubbed_rows"] == {"events": 1, "engine_runs": 1}
+
+    fresh = new_box(tmp_path / "new")
+    report = restore(fresh, tmp_path / "b-False.tar.gz", passphrase=PASSPHRASE, now=NOW,
+                     script_location=migrations_dir(), actor="test")
+    aside = fresh.paths.state_dir / "restored" / "appliance.toml"
+    assert aside.read_text() == Path(old.source).read_text()  # the secret values are back
+    assert (aside.stat().st_mode & 0o777) == 0o600
+    assert "checked against the backup's sealed manifest" in "\n".join(report.lines())
+
+    plain_box = new_box(tmp_path / "plain")
+    report = restore(plain_box, tmp_path / "b-True.tar.gz", passphrase=None, now=NOW,
+                     script_location=migrations_dir(), actor="test", unverified=True)
+    text_ = "\n".join(report.lines())
+    assert "weights.token, health.webhook_url" in text_ and "set them again" in text_
+    assert HUB not in (plain_box.paths.state_dir / "restored" / "appliance.toml").read_text()
+
+
+def test_a_database_swapped_in_with_its_digests_rewritten_is_refused(tmp_path: Path) -> None:
+    """Someone who can write to the backup store puts another database in (one with their
+    own admin) and rewrites the manifest's digests to match: refused with the right
+    passphrase, naming the cause, and nothing changes. So is the same file with its seal
+    stripped."""
+    old = new_box(tmp_path / "old")
+    fill(old)
+    good = bk.create_backup(old, tmp_path / "good.tar", passphrase=PASSPHRASE, now=NOW).path
+    planted = new_box(tmp_path / "attacker")
+    fill(planted)
+    theirs = dict(members_of(bk.create_backup(planted, tmp_path / "their.tar", passphrase=None,
+                                              now=NOW).path))[bk.SQLITE_MEMBER]
+
+    def swap(manifest: dict[str, Any]) -> None:
+        manifest["files"][bk.SQLITE_MEMBER] = {"sha256": hashlib.sha256(theirs).hexdigest(),
+                                               "bytes": len(theirs)}
+
+    swapped = [(n, theirs if n == bk.SQLITE_MEMBER else d)
+               for n, d in with_manifest(members_of(good), swap)]
+    tampered = write_members(tmp_path / "tampered.tar", swapped)
+    stripped = write_members(tmp_path / "stripped.tar", with_manifest(
+        [(n, d) for n, d in swapped if n != bk.MAC_MEMBER],
+        lambda m: m.update(seal=None)))
+    fresh = new_box(tmp_path / "new")
+    before = state_digest(fresh)
+
+    with pytest.raises(BackupRefused) as caught:
+        restore(fresh, tampered, passphrase=PASSPHRASE, script_location=migrations_dir(),
+                now=NOW, actor="test")
+    assert caught.value.code == "backup_tampered"
+    assert "does not match its seal; nothing was changed" in caught.value.message
+    with pytest.raises(BackupRefused, match="its manifest's seal is gone") as caught:
+        restore(fresh, stripped, passphrase=PASSPHRASE, script_location=migrations_dir(),
+                now=NOW, actor="test", unverified=True)
+    assert state_digest(fresh) == before
+    done = run_cli("--config", fresh.source, "restore", str(tampered), "--passphrase-file",
+                   str(passphrase_file(tmp_path)))
+    assert done.returncode == 65 and "was changed after it was written" in done.stderr
+    assert state_digest(fresh) == before
+
+
+class Zeros(io.RawIOBase):
+    """`size` zero bytes, read in chunks (a 300 MB member without 300 MB in memory)."""
+
+    def __init__(self, size: int) -> None:
+        self.left = size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self.left)
+        buffer[:n] = bytes(n)
+        self.left -= n
+        return n
+
+
+BOMB = 300 * 2**20
+
+
+def write_bomb(path: Path, *, claimed: int, manifest_first: bool) -> Path:
+    digest = hashlib.sha256()
+    zeros = Zeros(BOMB)
+    while chunk := zeros.read(1 << 20):
+        digest.update(chunk)
+    manifest = json.dumps({"format": 2 if manifest_first else 1, "schema_revision": HEAD,
+                           "database": "sqlite", "secrets": {"included": False},
+                           "files": {bk.SQLITE_MEMBER: {"sha256": digest.hexdigest(),
+                                                        "bytes": claimed}}}).encode()
+    with tarfile.open(path, "w:gz") as tar:
+        def add_manifest() -> None:
+            info = tarfile.TarInfo(bk.MANIFEST)
+            info.size = len(manifest)
+            tar.addfile(info, io.BytesIO(manifest))
+
+        if manifest_first:
+            add_manifest()
+        info = tarfile.TarInfo(bk.SQLITE_MEMBER)
+        info.size = BOMB
+        tar.addfile(info, io.BufferedReader(Zeros(BOMB)))
+        if not manifest_first:
+            add_manifest()
+    return path
+
+
+def test_an_archive_that_inflates_writes_nothing_before_it_is_refused(tmp_path: Path) -> None:
+    """A ~300 kB file that expands to 300 MB: without a seal it is refused before a byte is
+    extracted; accepted unverified, a member larger than its manifest says is refused from
+    the headers alone (manifest first, or a format-1 file's manifest last)."""
+    honest = write_bomb(tmp_path / "honest.tar.gz", claimed=BOMB, manifest_first=True)
+    small_first = write_bomb(tmp_path / "first.tar.gz", claimed=1000, manifest_first=True)
+    small_last = write_bomb(tmp_path / "last.tar.gz", claimed=1000, manifest_first=False)
+    assert honest.stat().st_size < 2 * 2**20
+    fresh = new_box(tmp_path / "new")
+    before = state_digest(fresh)
+    def listing() -> list[str]:
+        return sorted(p.name for p in fresh.paths.state_dir.rglob("*")
+                      if p.name != "appliance.lock")  # the restore's own lock file
+
+    files = listing()
+
+    with pytest.raises(BackupRefused, match="carries no seal"):
+        restore(fresh, honest, passphrase=None, script_location=migrations_dir(), now=NOW,
+                actor="test")
+    with pytest.raises(BackupRefused, match=r"is 314,572,800 bytes in the file, 1,000 in its"):
+        read_manifest(small_last, None, unverified=True)  # no folder: it cannot write
+    for bomb in (small_first, small_last):
+        with pytest.raises(BackupRefused, match=r"314,572,800 bytes in the file, 1,000 in"):
+            restore(fresh, bomb, passphrase=None, script_location=migrations_dir(), now=NOW,
+                    actor="test", unverified=True)
+    assert state_digest(fresh) == before
+    assert listing() == files
+
+
+def test_a_backup_from_an_older_release_needs_unverified(tmp_path: Path) -> None:
+    """A format-1 file (manifest last, no seal): refused with the way forward, restored with
+    --unverified."""
+    old = new_box(tmp_path / "old")
+    want = fill(old)
+    new = members_of(bk.create_backup(old, tmp_path / "v2.tar", passphrase=None, now=NOW).path)
+    legacy = with_manifest(new, lambda m: (m.update(format=1), m.pop("seal")))
+    manifest = [item for item in legacy if item[0] == bk.MANIFEST]
+    legacy = [item for item in legacy if item[0] != bk.MANIFEST] + manifest  # last, as then
+    path = write_members(tmp_path / "v1.tar", legacy)
+    fresh = new_box(tmp_path / "new")
+
+    done = run_cli("--config", fresh.source, "restore", str(path), "--no-secrets")
+    assert done.returncode == 65
+    assert "written by an older release" in done.stderr and "--unverified" in done.stderr
+    done = run_cli("--config", fresh.source, "restore", str(path), "--no-secrets",
+                   "--unverified")
+    assert done.returncode == 0, done.stderr
+    assert "restored --unverified" in done.stdout
+    assert facts(fresh)["keys"] == want["keys"]

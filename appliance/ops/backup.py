@@ -5,26 +5,33 @@ snapshot (one read transaction, so the daemon and the gateway keep writing meanw
 transaction committed before the copy began is in it), PostgreSQL's `pg_dump --format=custom`
 does the same from one snapshot. Nothing needs stopping.
 
-The file is a tar (gzip-compressed when its name ends in .gz) of:
+The file is a tar (gzip-compressed when its name ends in .gz) of, in this order:
 
     MANIFEST.json          format, appliance version, schema revision, when, which database,
-                           each file's sha256 and size, whether the secrets are in and how sealed
-    database.sqlite        SQLite: the online-backup copy
+                           each other file's sha256 and size, whether the secrets are in and
+                           how sealed, which configuration values were sealed, what was scrubbed
+    MANIFEST.mac           HMAC-SHA256 over MANIFEST.json's bytes, keyed from the passphrase
+                           (appliance.ops.crypto.SealKey); absent without a passphrase
+    database.sqlite        SQLite: the online-backup copy, its rows scrubbed (below)
     database.pgdump        PostgreSQL: pg_dump's custom format
-    secrets.enc            state_dir/secrets/* sealed with the operator's passphrase
-                           (appliance.ops.crypto); absent when the secrets are left out
-    config/appliance.toml  the configuration file as it is
+    secrets.enc            state_dir/secrets/* and the configuration file as it is, sealed with
+                           the passphrase; absent when the secrets are left out
+    config/appliance.toml  the configuration file with every secret value replaced by
+                           "[sealed: <what>]" (a TOML string still: it parses)
     engine/launch-spec.json  the engine's last launch spec, when there is one
     weights/manifest.json  the active weights manifest (the weights themselves are never in a
                            backup: they are pulled or imported again and verified against it)
 
 Invariants: the file appears under its final name only when complete (written beside it,
-fsynced, renamed); it is 0600; MANIFEST.json is the last member and lists every other one.
+fsynced, renamed); it is 0600; MANIFEST.json is the first member and lists every other one
+(a restore checks it, and its seal, before it writes anything); no secret of the box (the
+configuration's secret values, the files under secrets/, credentials of a known shape) is in
+the file outside secrets.enc: the SQLite copy's event, audit and engine-run text is scrubbed
+of them (and vacuumed, so no old page keeps them) before it is archived.
 """
 
 from __future__ import annotations
 
-import base64
 import datetime as dt
 import gzip
 import hashlib
@@ -50,8 +57,9 @@ from appliance.atomic import atomic_writer, write_atomic
 from appliance.config import Config
 from appliance.errors import EX_CANTCREAT, ApplianceError
 
-FORMAT = 1
+FORMAT = 2  # 2: the manifest first, sealed; secrets out of the configuration copy and rows
 MANIFEST = "MANIFEST.json"
+MAC_MEMBER = "MANIFEST.mac"
 SQLITE_MEMBER = "database.sqlite"
 PG_MEMBER = "database.pgdump"
 SECRETS_MEMBER = "secrets.enc"
@@ -179,25 +187,16 @@ def _weights_manifest(url: str) -> tuple[str | None, dict[str, Any] | None]:
                                 "bytes": manifest.total_bytes}
 
 
-def secrets_payload(state_dir: Path) -> bytes:
-    """Every file under state_dir/secrets as JSON {relative path: base64}: the server's HMAC
-    key (without it no stored API key or admin token matches again) and the engine key."""
-    root = state_dir / "secrets"
-    files: dict[str, str] = {}
-    if root.is_dir():
-        for path in sorted(root.rglob("*")):
-            if path.is_file() and not path.name.startswith("."):
-                files[path.relative_to(root).as_posix()] = base64.b64encode(
-                    path.read_bytes()).decode()
-    return json.dumps({"files": files}, sort_keys=True).encode()
-
-
 def create_backup(config: Config, out: Path, *, passphrase: str | None,
                   now: dt.datetime) -> BackupResult:
     """Write a backup to `out` (see the module docstring). `passphrase` None: the secrets
-    are left out, and the manifest says so."""
-    from appliance.ops.crypto import seal
+    (and the configuration's secret values) are left out and the manifest is not sealed, and
+    the manifest says so."""
+    from appliance.ops.crypto import CIPHER, SealKey
+    from appliance.ops.redact import for_box
+    from appliance.ops.sealing import config_copy, removed, scrub_rows, secrets_payload
 
+    key = SealKey.new(passphrase) if passphrase is not None else None
     out = out.absolute()
     try:
         out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -205,13 +204,16 @@ def create_backup(config: Config, out: Path, *, passphrase: str | None,
         raise ApplianceError("backup_cannot_write", f"cannot create {out.parent}: "
                              f"{exc.strerror or exc}", "choose another --out or backup.dir",
                              exit_code=EX_CANTCREAT) from None
+    redactor = for_box(config)
     url = config.database_url
     sqlite = url.startswith("sqlite")
     members: list[tuple[str, bytes]] = []
+    scrubbed: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix=".appliance-backup-", dir=out.parent) as work:
         if sqlite:
             copy = Path(work) / SQLITE_MEMBER
             _copy_sqlite(_sqlite_path(url), copy)
+            scrubbed = scrub_rows(copy, lambda text: redactor.credentials(text, removed))
             copy_url = f"sqlite:///{copy}"
             revision = _revision_of(copy_url)
             weights_json, weights = _weights_manifest(copy_url)
@@ -222,14 +224,14 @@ def create_backup(config: Config, out: Path, *, passphrase: str | None,
             dump = Path(work) / PG_MEMBER
             _pg_dump(url, dump)
             members.append((PG_MEMBER, dump.read_bytes()))
+    plain_config, original_config, secret_settings = config_copy(config, redactor)
     secrets: dict[str, Any] = {"included": False}
-    if passphrase is not None:
-        sealed, header = seal(secrets_payload(config.paths.state_dir), passphrase)
-        members.append((SECRETS_MEMBER, sealed))
-        secrets = {"included": True, **header}
-    source = Path(config.source)
-    if source.is_absolute() and source.is_file():
-        members.append((CONFIG_MEMBER, source.read_bytes()))
+    if key is not None:
+        payload = secrets_payload(config.paths.state_dir, original_config)
+        members.append((SECRETS_MEMBER, key.seal(payload)))
+        secrets = {"included": True, "cipher": CIPHER, "kdf": key.kdf}
+    if plain_config is not None:
+        members.append((CONFIG_MEMBER, plain_config))
     spec = config.paths.state_dir / "engine" / "launch-spec.json"
     if spec.is_file():
         members.append((SPEC_MEMBER, spec.read_bytes()))
@@ -243,12 +245,19 @@ def create_backup(config: Config, out: Path, *, passphrase: str | None,
         "created_at": now.astimezone(dt.UTC).isoformat(),
         "host": socket.gethostname(),
         "secrets": secrets,
+        "seal": ({"mac": "hmac-sha256", "kdf": key.kdf, "check": key.check_value()}
+                 if key is not None else None),
+        "config": {"file": original_config is not None, "plain_copy": plain_config is not None,
+                   "secret_settings": secret_settings},
+        "scrubbed_rows": scrubbed,
         "weights": weights,
         "not_included": [NOT_IN_BACKUPS],
         "files": {name: {"sha256": _sha256(data), "bytes": len(data)} for name, data in members},
     }
-    members.append((MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n"))
-    size = _write_tar(out, members, compress=out.name.endswith(".gz"), mtime=now)
+    head = json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n"
+    sealed = [(MAC_MEMBER, key.mac(head).encode())] if key is not None else []
+    size = _write_tar(out, [(MANIFEST, head), *sealed, *members],
+                      compress=out.name.endswith(".gz"), mtime=now)
     return BackupResult(out, size, manifest)
 
 

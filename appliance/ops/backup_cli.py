@@ -38,6 +38,10 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     restore.add_argument("file", type=Path, help="a file `appliance backup` wrote")
     restore.add_argument("--force", action="store_true",
                          help="replace a database that already holds API keys or usage")
+    restore.add_argument("--unverified", action="store_true",
+                         help="restore a backup whose contents nothing can check: one taken "
+                              "without a passphrase or by an older release, or one restored "
+                              "with --no-secrets (only for a file no one else could change)")
     for cmd in (backup, restore):
         how = cmd.add_mutually_exclusive_group()
         how.add_argument("--passphrase-file", type=Path, default=None,
@@ -123,7 +127,8 @@ def _audit(config: Config, now: dt.datetime, result: Any) -> None:
 
 def peek_manifest(path: Path) -> dict[str, Any] | None:
     """MANIFEST.json without checking anything (only to know whether to ask for a
-    passphrase); None when it cannot be read: `restore` then reports the damage."""
+    passphrase; `restore` checks it and its seal); None when it cannot be read: `restore`
+    then reports the damage."""
     try:
         with tarfile.open(path, mode="r:*") as tar:
             for info in tar:
@@ -141,11 +146,11 @@ def run_restore(args: argparse.Namespace, config: Config) -> int:
     from appliance.resources import migrations_dir
 
     manifest = peek_manifest(args.file) or {}
-    has_secrets = bool((manifest.get("secrets") or {}).get("included"))
-    passphrase = _passphrase(args, confirm=False) if has_secrets else None
+    sealed = bool((manifest.get("secrets") or {}).get("included") or manifest.get("seal"))
+    passphrase = _passphrase(args, confirm=False) if sealed else None
     report = restore(config, args.file, passphrase=passphrase,
                      script_location=migrations_dir(), now=dt.datetime.now(dt.UTC),
-                     actor=_actor(), force=args.force)
+                     actor=_actor(), force=args.force, unverified=args.unverified)
     print(f"appliance: restored {args.file}")
     for line in report.lines():
         print(line)

@@ -1,4 +1,5 @@
-"""Passphrase encryption of a backup's secrets: scrypt, then AES-256-GCM.
+"""Passphrase encryption of a backup's secrets (scrypt, then AES-256-GCM) and the seal over its
+manifest (HMAC-SHA256 under a key derived from the same passphrase, `SealKey`).
 
 The sealed form is self-describing, so a later release can still open an old backup:
 
@@ -12,9 +13,12 @@ authenticated, so a wrong passphrase and a damaged file both fail cleanly with
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,7 @@ CIPHER = "AES-256-GCM"
 # passphrase costs an attacker the same.
 SCRYPT = {"name": "scrypt", "n": 2**15, "r": 8, "p": 1}
 MAX_PASSPHRASE = 1024
+MAX_SCRYPT_N = 2**20  # 1 GiB at r=8: a bound on what a backup file may ask a restore for
 
 
 class PassphraseWrong(ApplianceError):
@@ -40,22 +45,74 @@ def _derive(passphrase: str, kdf: dict[str, Any]) -> bytes:
                              f"the secrets are sealed with key derivation {kdf.get('name')!r}, "
                              "which this release does not know",
                              "restore with the release that took the backup, or a newer one")
-    salt = bytes.fromhex(str(kdf["salt"]))
-    n, r, p = int(kdf["n"]), int(kdf["r"]), int(kdf["p"])
+    try:
+        salt = bytes.fromhex(str(kdf["salt"]))
+        n, r, p = int(kdf["n"]), int(kdf["r"]), int(kdf["p"])
+    except (KeyError, ValueError, TypeError):
+        raise ApplianceError("backup_damaged", "the backup's key derivation parameters are "
+                             "not the ones this release writes",
+                             "use another copy of this backup, or an older backup",
+                             exit_code=EX_DATAERR) from None
+    if not (2 <= n <= MAX_SCRYPT_N and 1 <= r <= 16 and 1 <= p <= 4 and len(salt) >= 16):
+        # A file that asks for gigabytes of memory per guess is not one this release wrote.
+        raise ApplianceError("backup_damaged", f"the backup asks for scrypt n={n}, r={r}, "
+                             f"p={p}, beyond what any release writes",
+                             "use another copy of this backup, or an older backup",
+                             exit_code=EX_DATAERR)
     return Scrypt(salt=salt, length=32, n=n, r=r, p=p).derive(passphrase.encode())
+
+
+@dataclass(frozen=True)
+class SealKey:
+    """A key derived once from the passphrase, for everything one backup seals: its secrets
+    (AES-256-GCM, `seal`) and its manifest (HMAC-SHA256 under a key of its own, derived from
+    this one with HKDF, so the two uses never share a key). `kdf` is the derivation's
+    parameters (salt included), recorded in the backup so a restore derives the same key."""
+
+    key: bytes = field(repr=False)
+    kdf: dict[str, Any]
+
+    @classmethod
+    def new(cls, passphrase: str) -> SealKey:
+        check_passphrase(passphrase)
+        kdf: dict[str, Any] = {**SCRYPT, "salt": os.urandom(16).hex()}
+        return cls(_derive(passphrase, kdf), kdf)
+
+    @classmethod
+    def of(cls, passphrase: str, kdf: dict[str, Any]) -> SealKey:
+        return cls(_derive(passphrase, dict(kdf)), dict(kdf))
+
+    def seal(self, data: bytes) -> bytes:
+        """`data` sealed in the self-describing form `unseal` opens."""
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        head = json.dumps({"cipher": CIPHER, "kdf": self.kdf}, sort_keys=True).encode()
+        nonce = os.urandom(12)
+        sealed = AESGCM(self.key).encrypt(nonce, data, head)
+        return MAGIC + len(head).to_bytes(2, "big") + head + nonce + sealed
+
+    def _mac_key(self) -> bytes:
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+        return HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+                    info=b"appliance backup manifest").derive(self.key)
+
+    def mac(self, data: bytes) -> str:
+        return hmac.new(self._mac_key(), data, hashlib.sha256).hexdigest()
+
+    def check_value(self) -> str:
+        """What tells a wrong passphrase from a changed manifest: a MAC of a fixed string."""
+        return self.mac(b"appliance backup key check")[:16]
+
+    def verifies(self, data: bytes, mac: str) -> bool:
+        return hmac.compare_digest(self.mac(data), mac)
 
 
 def seal(data: bytes, passphrase: str) -> tuple[bytes, dict[str, Any]]:
     """Encrypt `data`; returns the sealed bytes and the header (for the backup's manifest)."""
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-    check_passphrase(passphrase)
-    kdf: dict[str, Any] = {**SCRYPT, "salt": os.urandom(16).hex()}
-    header = {"cipher": CIPHER, "kdf": kdf}
-    head = json.dumps(header, sort_keys=True).encode()
-    nonce = os.urandom(12)
-    sealed = AESGCM(_derive(passphrase, kdf)).encrypt(nonce, data, head)
-    return MAGIC + len(head).to_bytes(2, "big") + head + nonce + sealed, header
+    key = SealKey.new(passphrase)
+    return key.seal(data), {"cipher": CIPHER, "kdf": key.kdf}
 
 
 def unseal(blob: bytes, passphrase: str, *, name: str = "secrets.enc") -> bytes:

@@ -99,6 +99,10 @@ PATTERNS: tuple[Pattern, ...] = (
 )
 
 
+CREDENTIAL_SHAPES = frozenset({"gateway key", "admin API token", "Hub token", "cell join token",
+                               "cell peer credential"})
+
+
 def marker(label: str) -> str:
     return f"[redacted: {label}]"
 
@@ -117,24 +121,39 @@ class Redactor:
             self.values.setdefault(value, label)
 
     def __call__(self, text: str) -> str:
+        text = self._by_value(text, marker)
+        for pattern in PATTERNS:
+            text = pattern.regex.sub(self._replacer(pattern, marker), text)
+        return text
+
+    def credentials(self, text: str, mark: Callable[[str], str] = marker) -> str:
+        """Only this box's secret values and credentials of a known shape (`CREDENTIAL_SHAPES`),
+        no prompt or assignment rules: for text that keeps its meaning and its format (a
+        backup's event rows and configuration file). `mark` writes the replacement."""
+        text = self._by_value(text, mark)
+        for pattern in PATTERNS:
+            if pattern.label in CREDENTIAL_SHAPES:
+                text = pattern.regex.sub(self._replacer(pattern, mark), text)
+        return text
+
+    def _by_value(self, text: str, mark: Callable[[str], str]) -> str:
         for value in sorted(self.values, key=len, reverse=True):
             found = text.count(value)
             if found:
                 label = self.values[value]
-                text = text.replace(value, marker(label))
+                text = text.replace(value, mark(label))
                 self.counts[label] += found
-        for pattern in PATTERNS:
-            text = pattern.regex.sub(self._replacer(pattern), text)
         return text
 
-    def _replacer(self, pattern: Pattern) -> Callable[[re.Match[str]], str]:
+    def _replacer(self, pattern: Pattern, mark: Callable[[str], str],
+                  ) -> Callable[[re.Match[str]], str]:
         def replace(match: re.Match[str]) -> str:
             kept = match.group(1) if pattern.regex.groups else ""
             self.counts[pattern.label] += 1
             value = match.group(0)[len(kept):]
             quote = value[:1] if len(value) >= 2 and value[:1] in "\"'" \
                 and value.endswith(value[:1]) else ""
-            return f"{kept}{quote}{marker(pattern.label)}{quote}"  # a quoted value stays so
+            return f"{kept}{quote}{mark(pattern.label)}{quote}"  # a quoted value stays so
 
         return replace
 

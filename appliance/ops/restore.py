@@ -5,14 +5,22 @@ stopped. In order, and nothing on the box changes before step 4:
 
 1. take the daemon's lock (a running daemon is refused) and refuse while the gateway's port
    answers (it would keep writing to the database being replaced);
-2. read the file, check every member against MANIFEST.json's sha256 and size (a damaged or
-   truncated file is refused, naming the member); refuse a newer format or schema revision
-   than this release knows, and a backup of the other database kind;
-3. open the secrets with the passphrase (a wrong one is refused);
+2. read MANIFEST.json first (the first member; a format-1 file's is the last, so its member
+   headers are read first, writing nothing) and check its seal, an HMAC keyed from the
+   passphrase: a wrong passphrase, a manifest changed after it was written (a database swapped
+   in, its digests rewritten) or one whose seal was stripped is refused; a backup with no
+   seal (taken without a passphrase, or by an older release), or restored without its
+   passphrase, only with `unverified` (`--unverified`). Refuse a newer format or schema
+   revision than this release knows, and a backup of the other database kind;
+3. extract into a scratch directory, each member bounded by the size the checked manifest
+   gives and checked against its sha256 (a damaged, truncated or inflated member is refused,
+   naming it), the total checked against the free space first; open the secrets with the
+   passphrase;
 4. write the database (SQLite's backup API into the configured file; `pg_restore` into the
    configured PostgreSQL), then migrate it when it is older than this release; write the
    secrets (0600 in a 0700 directory) and the launch spec; put the old box's configuration
-   and weights manifest under state_dir/restored/ for the operator to compare and use;
+   (with its secret values when the secrets were opened) and weights manifest under
+   state_dir/restored/ for the operator to compare and use;
 5. record the restore in the audit log and say what was restored and what was not.
 
 Users' API keys and admin tokens keep working only with the secrets: their stored HMACs are
@@ -24,32 +32,30 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime as dt
-import hashlib
 import json
 import shutil
 import socket
 import sqlite3
 import subprocess
-import tarfile
 import tempfile
-import zlib
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
-from typing import IO, Any
+from pathlib import Path
+from typing import Any
 
 from appliance.atomic import write_atomic
 from appliance.config import Config
 from appliance.errors import EX_DATAERR, ApplianceError
 from appliance.ops import backup as bk
+from appliance.ops.unpack import (
+    BackupRefused,
+    OpenedBackup,
+    damaged,
+    extract,
+    read_manifest,
+    safe_name,
+)
 
-MAX_MANIFEST = 1 << 20
-CHUNK = 1 << 20
-
-
-class BackupRefused(ApplianceError):
-    """The backup cannot be restored here (damaged, newer, wrong kind); nothing was changed."""
-
-    exit_code = EX_DATAERR
+__all__ = ["BackupRefused", "RestoreReport", "restore"]
 
 
 @dataclass
@@ -63,93 +69,6 @@ class RestoreReport:
         out += ["not restored:"] + [f"  - {item}" for item in self.not_restored]
         out += [f"warning: {item}" for item in self.warnings]
         return out
-
-
-@dataclass(frozen=True)
-class OpenedBackup:
-    """A verified backup, extracted into `folder` (a private temporary directory)."""
-
-    path: Path
-    folder: Path
-    manifest: dict[str, Any]
-
-    def member(self, name: str) -> Path | None:
-        return self.folder / name if name in self.manifest["files"] else None
-
-
-def _damaged(path: Path, why: str) -> BackupRefused:
-    return BackupRefused("backup_damaged", f"the backup {path} is damaged: {why}; nothing was "
-                         "changed", "use another copy of this backup, or an older backup")
-
-
-def _safe_name(name: str) -> bool:
-    parts = PurePosixPath(name).parts
-    return bool(parts) and not name.startswith("/") and ".." not in parts
-
-
-def open_backup(path: Path, folder: Path) -> OpenedBackup:
-    """Extract and verify `path` into `folder`. Raises `BackupRefused` naming the damage."""
-    if not path.is_file():
-        raise ApplianceError("backup_missing", f"there is no backup file at {path}",
-                             "give the path of a file `appliance backup` wrote", exit_code=66)
-    digests: dict[str, tuple[str, int]] = {}
-    manifest_bytes: bytes | None = None
-    try:
-        with tarfile.open(path, mode="r:*") as tar:
-            for info in tar:
-                if not info.isfile() or not _safe_name(info.name):
-                    raise _damaged(path, f"it holds {info.name!r}, which no backup holds")
-                handle = tar.extractfile(info)
-                assert handle is not None
-                if info.name == bk.MANIFEST:
-                    manifest_bytes = handle.read(MAX_MANIFEST + 1)
-                    continue
-                digests[info.name] = _extract(handle, folder / info.name)
-    except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
-        if isinstance(exc, OSError) and not isinstance(exc, tarfile.TarError) \
-                and exc.filename is not None:
-            raise  # our own folder, not the backup
-        raise _damaged(path, f"it is not a readable tar file ({type(exc).__name__}: "
-                       f"{exc})") from None
-    if manifest_bytes is None:
-        raise _damaged(path, f"it has no {bk.MANIFEST} (is it an appliance backup?)")
-    try:
-        manifest = json.loads(manifest_bytes)
-        files = manifest["files"]
-        assert isinstance(files, dict)
-    except (ValueError, KeyError, TypeError, AssertionError):
-        raise _damaged(path, f"its {bk.MANIFEST} is not valid") from None
-    fmt = manifest.get("format")
-    if not isinstance(fmt, int) or fmt > bk.FORMAT:
-        raise BackupRefused("backup_format_newer",
-                            f"the backup {path} has format {fmt!r}; this release reads format "
-                            f"{bk.FORMAT} and older",
-                            "restore it with the release that took it (appliance "
-                            f"{manifest.get('appliance_version', '?')}) or a newer one")
-    for name, (digest, size) in sorted(digests.items()):
-        expected = files.get(name)
-        if not isinstance(expected, dict):
-            raise _damaged(path, f"{name} is not listed in its {bk.MANIFEST}")
-        if size != expected.get("bytes") or digest != expected.get("sha256"):
-            raise _damaged(path, f"{name} does not match its checksum (expected "
-                           f"{expected.get('bytes')} bytes, sha256 "
-                           f"{str(expected.get('sha256'))[:16]}…; found {size} bytes, sha256 "
-                           f"{digest[:16]}…)")
-    missing = sorted(set(files) - set(digests))
-    if missing:
-        raise _damaged(path, f"{', '.join(missing)} listed in its {bk.MANIFEST} is missing")
-    return OpenedBackup(path, folder, manifest)
-
-
-def _extract(handle: IO[bytes], target: Path) -> tuple[str, int]:
-    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    digest, size = hashlib.sha256(), 0
-    with target.open("wb") as out:
-        while chunk := handle.read(CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-            out.write(chunk)
-    return digest.hexdigest(), size
 
 
 def check_schema(opened: OpenedBackup, script_location: Path) -> str:
@@ -195,8 +114,17 @@ def gateway_listening(config: Config) -> bool:
     return answers(config.gateway.host, config.gateway.port)
 
 
-def open_secrets(opened: OpenedBackup, passphrase: str | None) -> dict[str, bytes] | None:
-    """The secrets files, or None when the backup has none or `passphrase` is None."""
+@dataclass(frozen=True)
+class Secrets:
+    """What secrets.enc held: the files of state_dir/secrets, and the configuration file as
+    it was (None in a backup that did not seal it)."""
+
+    files: dict[str, bytes]
+    config: bytes | None
+
+
+def open_secrets(opened: OpenedBackup, passphrase: str | None) -> Secrets | None:
+    """The sealed secrets, or None when the backup has none or `passphrase` is None."""
     from appliance.ops.crypto import unseal
 
     path = opened.member(bk.SECRETS_MEMBER)
@@ -205,10 +133,11 @@ def open_secrets(opened: OpenedBackup, passphrase: str | None) -> dict[str, byte
     payload = json.loads(unseal(path.read_bytes(), passphrase))
     files: dict[str, bytes] = {}
     for name, encoded in payload["files"].items():
-        if not _safe_name(name):
-            raise _damaged(opened.path, f"its secrets name {name!r}")
+        if not safe_name(name):
+            raise damaged(opened.path, f"its secrets name {name!r}")
         files[name] = base64.b64decode(encoded)
-    return files
+    config = payload.get("config")
+    return Secrets(files, base64.b64decode(config) if isinstance(config, str) else None)
 
 
 def in_use(config: Config) -> str | None:
@@ -236,10 +165,11 @@ def in_use(config: Config) -> str | None:
 
 def restore(config: Config, path: Path, *, passphrase: str | None, script_location: Path,
             now: dt.datetime, actor: str, check_gateway: bool = True,
-            force: bool = False) -> RestoreReport:
+            force: bool = False, unverified: bool = False) -> RestoreReport:
     """See the module docstring. `passphrase` None: the secrets are not restored (the caller
     decided: --no-secrets, or the backup has none). A database that is in use (keys, usage)
-    is replaced only with `force`."""
+    is replaced only with `force`; a backup whose manifest cannot be checked against its
+    seal (none, or no passphrase given) is restored only with `unverified`."""
     from appliance.lock import InstanceLock
 
     state_dir = config.paths.state_dir
@@ -252,32 +182,35 @@ def restore(config: Config, path: Path, *, passphrase: str | None, script_locati
                 f"something answers on the gateway's port {config.gateway.port}; the gateway "
                 "writes to the database a restore replaces",
                 "stop it first (`systemctl stop appliance-gateway`), then restore", exit_code=75)
+        # Everything that needs only the manifest is checked before a byte is extracted.
+        verified = read_manifest(path, passphrase, unverified=unverified)
+        stand_in = OpenedBackup(path, state_dir, verified.manifest, verified.sealed)
+        revision = check_schema(stand_in, script_location)
+        kind = verified.manifest.get("database")
+        here = "sqlite" if config.database_url.startswith("sqlite") else "postgresql"
+        if kind != here:
+            raise BackupRefused(
+                "backup_database_kind",
+                f"the backup {path} holds a {kind} database; this box uses {here}",
+                "set database.url like the old box's (see the backup's "
+                "config/appliance.toml), or restore on a box configured alike")
+        held = None if force else in_use(config)
+        if held is not None:
+            raise ApplianceError(
+                "restore_over_data",
+                f"this box's database already holds {held}; a restore replaces them",
+                "take a backup of this box first (`appliance backup`), then restore with "
+                "--force", exit_code=EX_DATAERR)
         with tempfile.TemporaryDirectory(prefix=".restore-", dir=state_dir) as work:
-            opened = open_backup(path, Path(work))
-            revision = check_schema(opened, script_location)
-            kind = opened.manifest.get("database")
-            here = "sqlite" if config.database_url.startswith("sqlite") else "postgresql"
-            if kind != here:
-                raise BackupRefused(
-                    "backup_database_kind",
-                    f"the backup {path} holds a {kind} database; this box uses {here}",
-                    "set database.url like the old box's (see the backup's "
-                    "config/appliance.toml), or restore on a box configured alike")
+            opened = extract(verified, Path(work))
             secrets = open_secrets(opened, passphrase)
-            held = None if force else in_use(config)
-            if held is not None:
-                raise ApplianceError(
-                    "restore_over_data",
-                    f"this box's database already holds {held}; a restore replaces them",
-                    "take a backup of this box first (`appliance backup`), then restore with "
-                    "--force", exit_code=EX_DATAERR)
             return _apply(config, opened, revision, secrets, script_location, now, actor)
     finally:
         lock.release()
 
 
 def _apply(config: Config, opened: OpenedBackup, revision: str,
-           secrets: dict[str, bytes] | None, script_location: Path, now: dt.datetime,
+           secrets: Secrets | None, script_location: Path, now: dt.datetime,
            actor: str) -> RestoreReport:
     from appliance.auth.bootstrap import retire_bootstrap_file
     from appliance.db.database import Database
@@ -309,14 +242,14 @@ def _apply(config: Config, opened: OpenedBackup, revision: str,
             "users' API keys, usage history, the audit log and events, tuning profiles and the "
             "applied split, qualifications, the weights manifest and the engine's desired state")
         if secrets is not None:
-            for name, data in sorted(secrets.items()):
+            for name, data in sorted(secrets.files.items()):
                 target = state_dir / "secrets" / name
                 write_private(target, data)
                 bk.own_like(target, state_dir)
             bk.own_like(state_dir / "secrets", state_dir)
             report.restored.append(
-                f"secrets ({', '.join(sorted(secrets))}): users' API keys and admin API tokens "
-                "keep working")
+                f"secrets ({', '.join(sorted(secrets.files))}): users' API keys and admin API "
+                "tokens keep working")
         else:
             why = ("the backup was taken without them" if not manifest["secrets"]["included"]
                    else "--no-secrets was given")
@@ -331,7 +264,8 @@ def _apply(config: Config, opened: OpenedBackup, revision: str,
             write_atomic(target, spec.read_bytes(), mode=0o640, dir_mode=0o750)
             bk.own_like(target, state_dir)
             report.restored.append(f"the engine's last launch spec ({target})")
-        aside = _put_aside(opened, state_dir / "restored")
+        aside = _put_aside(opened, state_dir / "restored",
+                           secrets.config if secrets is not None else None)
         weights = manifest.get("weights")
         if weights:
             report.not_restored.append(
@@ -346,6 +280,13 @@ def _apply(config: Config, opened: OpenedBackup, revision: str,
                 f"configuration: the old box's file is in {aside[bk.CONFIG_MEMBER]}; this "
                 f"box's ({config.source}) was left as it is. Compare them (`diff`) and carry "
                 "over what applies here (paths, database URL, ports, TLS)")
+            report.warnings.extend(_config_secrets_note(manifest, secrets))
+        if opened.sealed:
+            report.restored.append("every file was checked against the backup's sealed "
+                                   "manifest")
+        else:
+            report.warnings.append("restored --unverified: nothing proved this backup is the "
+                                   "one the box wrote")
         if retire_bootstrap_file(state_dir):
             report.restored.append("admin accounts replace this box's one-time bootstrap login "
                                    "(its file was deleted)")
@@ -353,7 +294,7 @@ def _apply(config: Config, opened: OpenedBackup, revision: str,
         def record(session: Any) -> None:
             detail = {"file": str(opened.path), "created_at": manifest.get("created_at"),
                       "host": manifest.get("host"), "schema": revision,
-                      "secrets": secrets is not None}
+                      "secrets": secrets is not None, "verified": opened.sealed}
             add_audit(session, at=now, actor=actor, action="backup.restore",
                       target=opened.path.name, detail=detail)
             add_event(session, at=now, severity="info", source="backup",
@@ -404,18 +345,36 @@ def _pg_restore(url: str, dump: Path) -> None:
                              "this appliance's")
 
 
-def _put_aside(opened: OpenedBackup, folder: Path) -> dict[str, str]:
-    """Copy the old box's configuration and weights manifest to `folder` (0750)."""
+def _config_secrets_note(manifest: dict[str, Any], secrets: Secrets | None) -> list[str]:
+    """What the operator must know about the old configuration's secret values."""
+    settings = (manifest.get("config") or {}).get("secret_settings") or []
+    if not settings or (secrets is not None and secrets.config is not None):
+        return []
+    why = ("the backup was taken without a passphrase, so they were left out"
+           if not manifest["secrets"]["included"] else "--no-secrets was given")
+    return [f"the old configuration's secret values ({', '.join(settings)}) read "
+            f"\"[sealed: …]\" in the copy ({why}): set them again on this box"]
+
+
+def _put_aside(opened: OpenedBackup, folder: Path, config: bytes | None) -> dict[str, str]:
+    """Write the old box's configuration (as it was, from the secrets, when they were opened;
+    else the copy without its secret values) and weights manifest to `folder` (0750; the
+    configuration 0600 when it holds its secrets)."""
     placed: dict[str, str] = {}
     for member, name in ((bk.CONFIG_MEMBER, "appliance.toml"),
                          (bk.WEIGHTS_MEMBER, "weights-manifest.json")):
         source = opened.member(member)
-        if source is None:
+        whole = config if member == bk.CONFIG_MEMBER else None
+        if source is None and whole is None:
             continue
         target = folder / name
         folder.mkdir(mode=0o750, exist_ok=True)
-        shutil.copyfile(source, target)
-        target.chmod(0o640)
+        if whole is not None:
+            write_atomic(target, whole, mode=0o600)
+        else:
+            assert source is not None
+            shutil.copyfile(source, target)
+            target.chmod(0o640)
         with contextlib.suppress(OSError):
             bk.own_like(target, folder.parent)
             bk.own_like(folder, folder.parent)
