@@ -66,7 +66,8 @@ def tick(config: Config, db: Database, now: dt.datetime,
         return None
     removed = bk.prune(directory, config.backup.keep)
     secrets = "with the secrets" if result.manifest["secrets"]["included"] else (
-        "WITHOUT the secrets (backup.passphrase_file is unset)")
+        "WITHOUT the secrets and unsealed, so a restore needs --unverified "
+        "(backup.passphrase_file is unset)")
     db.call(lambda s: add_event(
         s, at=now, severity="info", source="backup",
         message=f"scheduled backup written to {result.path} ({result.size:,} bytes, {secrets})",
