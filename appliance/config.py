@@ -506,6 +506,14 @@ class CellConfig:
     router_port: int = _key(30100, _port, "on the head: the port SGLang's router listens on")
     router_metrics_port: int = _key(29000, _port, "on the head: the loopback port the router's "
                                     "Prometheus metrics listen on (the Cell page reads them)")
+    bootstrap_timeout_s: int = _key(60, _positive, "prefill and decode: seconds a prefill keeps a "
+                                    "request's KV waiting for its decode to take it "
+                                    "(SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT; SGLang's 300 ties "
+                                    "up a dead decode's prefill slots for 5 minutes)")
+    waiting_timeout_s: int = _key(120, _positive, "prefill and decode: seconds a decode waits for "
+                                  "a request's KV from its prefill "
+                                  "(SGLANG_DISAGGREGATION_WAITING_TIMEOUT; covers the longest "
+                                  "prompt's prefill and its queue)")
 
 
 def engine_host(config: Config) -> str:

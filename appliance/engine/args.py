@@ -102,6 +102,18 @@ ENV_REASONS: dict[str, str] = {
         "start with any other mode (srt/arg_groups/model_overrides/kimi_k3.py:63-75). static "
         "is SGLang's default (srt/environ.py:1572); pinning it keeps an inherited value out"
     ),
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": (
+        "prefill and decode roles, from cell.bootstrap_timeout_s (60): how long a prefill "
+        "holds a request whose decode never takes its KV. SGLang's 300 (srt/environ.py:759) "
+        "ties up a dead decode's prefill slots for 5 minutes; a live decode takes a request "
+        "within seconds when the head admits no more than the cell's capacity"
+    ),
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": (
+        "prefill and decode roles, from cell.waiting_timeout_s (120): how long a decode waits "
+        "for a request's KV once it has room (srt/environ.py:763, 300 by default). It covers "
+        "the prefill's queue and the longest prompt's prefill; a dead prefill is found sooner "
+        "by the decode's heartbeat (2 misses of 5 s)"
+    ),
 }
 FORBIDDEN_ENV = ("NOTIFY_SOCKET",)
 
@@ -289,6 +301,7 @@ def inputs_from_config(
         profile_args=profile_args,
         tuning_args=tuning_args,
         role_args=role_args(config.cell if role is None else replace(config.cell, role=role)),
+        extra_env=role_env(config.cell, role or config.cell.role),
         operator_args=engine.extra_args,
         engine_auth=engine_auth_path(config.paths.state_dir),
     )
@@ -312,6 +325,15 @@ def role_args(cell: CellConfig) -> tuple[tuple[str, str | None], ...]:
             if cell.hicache_ratio > 0:
                 pairs.append(("--hicache-ratio", repr(cell.hicache_ratio)))
     return tuple(pairs)
+
+
+def role_env(cell: CellConfig, role: str) -> tuple[tuple[str, str], ...]:
+    """The environment of a prefill or decode engine (ENV_REASONS says why); none for a
+    unified one, so its spec and hash stay as they were."""
+    if role not in ("prefill", "decode"):
+        return ()
+    return (("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", str(cell.bootstrap_timeout_s)),
+            ("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", str(cell.waiting_timeout_s)))
 
 
 def default_args(inputs: LaunchInputs) -> list[tuple[str, str | None]]:

@@ -325,9 +325,10 @@ def child_env(options: Options) -> dict[str, str]:
     settings are its appliance.toml), a short emulator start."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
     env.setdefault("FAKE_SGLANG_LOAD_SECONDS", LOAD_SECONDS["smoke" if options.smoke else "demo"])
-    # A decode engine stopped mid-request fails the prefill's wait in 30 s, not SGLang's 300.
+    # A decode engine stopped mid-request fails the prefill's wait in 30 s, not the 60 of
+    # cell.bootstrap_timeout_s (which the launch spec sets, over any inherited variable).
     for side in ("BOOTSTRAP", "WAITING"):
-        env.setdefault(f"SGLANG_DISAGGREGATION_{side}_TIMEOUT", "30")
+        env[f"APPLIANCE_CELL_{side}_TIMEOUT_S"] = "30"
     return env
 
 
