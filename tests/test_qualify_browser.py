@@ -96,6 +96,9 @@ def test_every_place_that_states_admission_states_the_refusal_during_a_qualifica
             expect(line.get_by_role("link", name="See the qualification →")).to_be_visible()
         elif where is not None:
             expect(page.locator(where)).to_contain_text("refuses every user")
+            # the ledger's row of the running one says so, not a lone "."
+            expect(page.get_by_role("row").filter(has_text="running")).to_contain_text(
+                re.compile(r"Still running: \d of 3 steps measured"))
         else:  # a page that states no admission must not state a stale one
             assert page.locator("#admission-line").count() == 0, path
         shot(page, f"qualifying-{path.strip('/') or 'dashboard'}")

@@ -137,3 +137,39 @@ def test_the_qualified_point_is_the_highest_step_with_every_lower_one_passing() 
     assert verdict_words(None, 32, None, [step(1, 10)]).startswith(
         "not qualified: already at 1 concurrent user, repeat 1: the slowest users decoded at "
         "10.0 tokens/s")
+
+
+def test_how_a_run_ends_in_words() -> None:
+    """The state, the point and the verdict of every way a run ends (service.outcome)."""
+    from appliance.qualify.climb import Climbed
+    from appliance.qualify.outcome import outcome
+
+    def step(c: int, rate: float) -> Step:
+        return judge(c, [round_of(c, 1, [user(rate)] * c, 5.0)], floor=32,
+                     ttft_p90_max=None, repeats=1)
+
+    settings = plan.Settings(plan.harsh(), (1, 2, 4), max_running_requests=64)
+    passed = (step(1, 60), step(2, 50))
+    assert outcome(settings, passed, Climbed("done"), "")[:2] == ("done", 2)
+    state, point, words = outcome(settings, passed, Climbed(
+        "done", "the engine left READY at 4 concurrent users and was not READY again "
+        "within 5 min; not measured: 4", retried=1), "")
+    assert (state, point) == ("done", 2)
+    assert words == (
+        "qualified for at least 2 concurrent users (the ladder stopped at 2: the engine left "
+        "READY at 4 concurrent users and was not READY again within 5 min; not measured: 4): "
+        "every user at or above 32 tokens/s; the gateway admits at 2 (1 round was measured "
+        "again after the engine left READY)")
+    # Stopped before any step passed: failed, so an earlier qualification still stands.
+    assert outcome(settings, (), Climbed("done", "at 1 concurrent user, the engine would "
+                                                 "not flush"), "")[:2] == ("failed", None)
+    failed = outcome(settings, (), Climbed("failed"), "2 users' requests were still running")
+    assert failed == ("failed", None, "not qualified: the run failed: 2 users' requests were "
+                      "still running")
+    assert outcome(settings, passed, Climbed("cancelled"), "") == ("cancelled", None,
+                                                                    "cancelled")
+    scaled = plan.Settings(plan.harsh(), (1, 2, 4, 8), time_scale=0.25)
+    assert outcome(scaled, (*passed, step(4, 10)), Climbed("done"), "")[2].endswith(
+        "(in the engine's time: its time scale is 0.25)")
+    for _, _, text in (failed, outcome(settings, (), Climbed("interrupted"), "gone")):
+        assert "failed: failed" not in text
