@@ -202,6 +202,8 @@ _LOGGED: dict[str, tuple[str, Callable[[str], Any]]] = {
     "enable_linear_replayssm_spec": ("replayssm", lambda v: v == "True"),
     "linear_replayssm_cache_len": ("replayssm_cache_len", int),
     "disable_radix_cache": ("radix_cache", lambda v: v != "True"),
+    # the state slots a request takes depend on it (calculator.slots_per_request)
+    "disable_overlap_schedule": ("overlap_schedule", lambda v: v != "True"),
     "mamba_radix_cache_strategy": ("mamba_strategy", str),
     "context_length": ("context_length", int),
     "mem_fraction_static": ("mem_fraction_static", float),
