@@ -34,6 +34,9 @@ from appliance.resources import migrations_dir
 from appliance.runtime import Runtime, build_runtime
 from appliance.testing.clock import FakeClock
 
+# The real-engine tier's fixtures (real SGLang 0.5.23 on CPU): tests/realengine/fixtures.py.
+pytest_plugins = ["tests.realengine.fixtures"]
+
 PASSWORD = "correct horse battery staple"
 POSTGRES_URL = os.environ.get("TEST_APPLIANCE_POSTGRES_URL", "")
 REPO = Path(__file__).resolve().parent.parent
