@@ -3,7 +3,8 @@ how it is configured and what it did — modelled on NVIDIA's `nvidia-bug-report
 everything, never fail as a whole) and GPUStack's diagnostics.
 
 Collection is a list of small collectors (`appliance.ops.collectors`), each returning files
-for the archive or raising `Skip` with the reason. Invariants:
+for the archive or raising `Skip` with the reason (the types both share are in
+`appliance.ops.parts`, so the collectors never import the builder that runs them). Invariants:
 
 - **Nothing leaves unredacted.** Every file, the README and every skip reason pass through one
   `Redactor` (`appliance.ops.redact`) before they are written.
@@ -32,89 +33,37 @@ import re
 import socket
 import tarfile
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from appliance import __version__
 from appliance.config import Config
 from appliance.errors import EX_USAGE, ApplianceError
+from appliance.ops.collectors import COLLECTORS
+from appliance.ops.parts import (
+    COLLECTOR_TIMEOUT_S,
+    LOG_LINES,
+    RUNS,
+    Collector,
+    Context,
+    Part,
+    Skip,
+    Skipped,
+)
 from appliance.ops.redact import Redactor, for_box
 
 if TYPE_CHECKING:
     from appliance.db.database import Database
-    from appliance.gpu.port import GpuPort, GpuSnapshot
+    from appliance.gpu.port import GpuPort
+
+__all__ = ["LOG_LINES", "RUNS", "Bundle", "Collector", "Context", "Part", "Skip", "Skipped",
+           "build", "default_name", "parse_since"]
 
 FILE_CAP = 5 * 1024 * 1024
 TOTAL_CAP = 50 * 1024 * 1024
-LOG_LINES = 5000
-RUNS = 10
 DEFAULT_SINCE = dt.timedelta(hours=24)
-COLLECTOR_TIMEOUT_S = 60.0
-
-
-class Skip(Exception):
-    """A collector has nothing to add here; the message says why (it goes in the README)."""
-
-
-@dataclass(frozen=True)
-class Part:
-    """One file of the archive: its path under the bundle's folder, content, and a line."""
-
-    path: str
-    data: bytes
-    about: str
-
-
-@dataclass(frozen=True)
-class Skipped:
-    what: str
-    reason: str
-
-
-@dataclass
-class Context:
-    """What collectors read. `db` is None when there is no database to read (the reason is in
-    `db_error`); `extra` holds parts the daemon supplies (live state only it knows)."""
-
-    config: Config
-    now: dt.datetime
-    since: dt.datetime
-    db: Database | None
-    db_error: str = ""
-    gpus: GpuPort | None = None
-    log_lines: int = LOG_LINES
-    extra: tuple[Part, ...] = ()
-    daemon_note: str = ""  # why `extra` is empty (the daemon did not answer, and why)
-    refused: list[str] = field(default_factory=list)  # files not read, and why (README)
-    _gpu_snapshot: GpuSnapshot | None = field(default=None, repr=False)
-
-    def need_db(self) -> Database:
-        if self.db is None:
-            raise Skip(self.db_error or "no database")
-        return self.db
-
-    def gpu_snapshot(self) -> GpuSnapshot:
-        """One NVML read per bundle (shared by the versions and the GPU parts), bounded."""
-        if self._gpu_snapshot is None:
-            from appliance.gpu.nvml import NvmlGpus
-            from appliance.gpu.port import snapshot_with_timeout
-
-            self.gpus = self.gpus or NvmlGpus()
-            self._gpu_snapshot = snapshot_with_timeout(
-                self.gpus, float(self.config.health.nvml_timeout_seconds))
-        return self._gpu_snapshot
-
-
-Collect = Callable[[Context], list[Part]]
-
-
-@dataclass(frozen=True)
-class Collector:
-    name: str
-    collect: Collect
-    timeout_s: float = COLLECTOR_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -322,8 +271,6 @@ def build(
     `db`: the daemon's database (else it is opened here, and closed); `gpus`: the daemon's
     GPU port (else NVML is opened here); `extra`: parts only the daemon has (`daemon_note`:
     why there are none, when there are none)."""
-    from appliance.ops.collectors import COLLECTORS
-
     now = now or dt.datetime.now(dt.UTC)
     start = since if isinstance(since, dt.datetime) else now - since
     own_db = db is None

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance import __version__
-from appliance.ops.bundle import RUNS, Collector, Context, Part, Skip
+from appliance.ops.parts import RUNS, Collector, Context, Part, Skip
 from appliance.sizes import bytes_text
 
 SUBPROCESS_TIMEOUT_S = 45.0
