@@ -3,10 +3,13 @@ directories, ports and daemons) in the prefill and decode roles, their engine em
 REAL `sglang-router` 0.3.2 from PyPI that the head's daemon starts from the spec it writes,
 and the head's gateway. The real `openai` SDK streams chat completions through the gateway,
 the cell's router, the prefill box and the decode box; the gateway's usage rows record them.
-Killing the decode box's engine gives users 503s that say why, and the prefill engine is not
-restarted; the decode box's own supervisor brings its engine back and service returns. A
+Killing the decode box's engine (kill -9) while a user sends one request after another and
+another streams gives only the gateway's own 503s (never the router's words or an internal
+address), the cut stream ends with an error event the SDK raises, and the prefill engine is
+not restarted; the decode box's own supervisor brings its engine back and service returns. A
 second decode box joins, and a rolling restart of the decode role restarts both, one at a
-time, while a user's requests keep being served.
+time, while one user sends requests one after another and another streams: none fails
+(issue 25).
 
 Slow by nature (two daemons, two emulators, the router): one scenario, every wait bounded.
 """
@@ -17,7 +20,8 @@ import asyncio
 import json
 import re
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,17 +79,21 @@ def cell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cell]:
     for name, value in TIMEOUTS.items():
         monkeypatch.setenv(name, value)
     common = {"engine_poll_seconds": 0.1, "cell_poll_seconds": 0.2}
+    # A prefill gives up on a killed decode's request in 2 s, not cell.bootstrap_timeout_s's
+    # 60 (the launch spec sets SGLang's variables over any inherited one): the router's
+    # attempt waits for the prefill's answer before it retries elsewhere.
+    pd = {f"APPLIANCE_CELL_{side}_TIMEOUT_S": "2" for side in ("BOOTSTRAP", "WAITING")}
     head, head_db = start_box(tmp_path, "head", {
-        "APPLIANCE_CELL_ROLE": "prefill", "APPLIANCE_ENGINE_PORT": str(free_port()),
+        **pd, "APPLIANCE_CELL_ROLE": "prefill", "APPLIANCE_ENGINE_PORT": str(free_port()),
         "APPLIANCE_CELL_BOOTSTRAP_PORT": str(free_port()),
         "APPLIANCE_CELL_ROUTER_PORT": str(free_port()),
         "APPLIANCE_CELL_ROUTER_METRICS_PORT": str(free_port())},
         prepare=with_weights, router_options=ROUTER_CLOCK, gpus=FakeGpus(), **common)
     member, member_db = start_box(tmp_path, "member", {
-        "APPLIANCE_CELL_ROLE": "decode", "APPLIANCE_ENGINE_PORT": str(free_port())},
+        **pd, "APPLIANCE_CELL_ROLE": "decode", "APPLIANCE_ENGINE_PORT": str(free_port())},
         prepare=with_weights, engine_backoff_seconds=1.0, gpus=FakeGpus(), **common)
     second, second_db = start_box(tmp_path, "second", {
-        "APPLIANCE_CELL_ROLE": "decode", "APPLIANCE_ENGINE_PORT": str(free_port())},
+        **pd, "APPLIANCE_CELL_ROLE": "decode", "APPLIANCE_ENGINE_PORT": str(free_port())},
         prepare=with_weights, gpus=FakeGpus(), **common)
     boxes = (head, member, second)
     for box in boxes:
@@ -190,19 +198,20 @@ def test_two_boxes_serve_one_endpoint_through_the_real_router(cell: Cell) -> Non
         assert [(r[1], r[4]) for r in rows[-2:]] == [("chat", "ok"), ("chat", "ok")]
         assert rows[-1][6] == 3  # the decode box's completion tokens, as the user was told
 
-        # The decode box's engine dies: users get 503s naming the missing role, at once.
+        # The decode box's engine dies (kill -9) under a stream and a user's requests: the
+        # stream ends with an error the SDK raises, and every refusal is the gateway's own.
         head_engine = head.runtime.supervisor.runner.find()
         assert head_engine is not None
         runner = member.runtime.supervisor.runner
         ident = runner.find()
         assert ident is not None
-        runner.kill(ident)
+        kill_decode_under_load(client, gateway, key, lambda: runner.kill(ident))
 
         def refused() -> httpx.Response | None:
             reply = chat(gateway, key, "anyone there?")
-            return reply if reply.status_code == 503 and "cell" in reply.text else None
+            return reply if reply.status_code == 503 and "member 1" in reply.text else None
 
-        refusal = wait_for(refused, "the gateway to refuse with the cell's reason", 30)
+        refusal = wait_for(refused, "the gateway to refuse with the head's reason", 30)
         error = refusal.json()["error"]
         assert error["code"] == "cell_unavailable", error
         assert "no decode" in error["message"] and "member 1" in error["message"], error
@@ -225,6 +234,94 @@ def test_two_boxes_serve_one_endpoint_through_the_real_router(cell: Cell) -> Non
         gateway.stop()
 
 
+ROUTER_WORDS = ("Decode server", "Prefill server", "No available", "http://", "error sending")
+
+
+def only_the_gateways_refusals(replies: list[httpx.Response]) -> None:
+    """Every answer is a 200 or the gateway's own 503 `cell_unavailable` with Retry-After,
+    never the router's words or an internal address (issue 25)."""
+    for reply in replies:
+        if reply.status_code == 200:
+            continue
+        assert reply.status_code == 503, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "cell_unavailable", error
+        assert int(reply.headers["Retry-After"]) >= 5
+        assert not any(word in error["message"] for word in ROUTER_WORDS), error
+
+
+def kill_decode_under_load(client: Any, gateway: LiveGateway, key: str,
+                           kill: Callable[[], None]) -> None:
+    """A long stream is under way and a user sends requests one after another when `kill`
+    takes the decode engine down; the stream must end with an error the SDK raises, and the
+    user's answers must be 200s or the gateway's own 503s until the head says why."""
+    import openai
+
+    streaming = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def stream() -> None:
+        pieces = 0
+        try:
+            for chunk in client.chat.completions.create(
+                    model="kimi-k3", max_tokens=4000, stream=True,
+                    messages=[{"role": "user", "content": "a long answer, please"}],
+                    extra_body={"ignore_eos": True}):
+                pieces += sum(1 for c in chunk.choices if c.delta.content)
+                if pieces >= 5:
+                    streaming.set()
+            outcome["ended"] = f"ended without an error after {pieces} pieces"
+        except openai.APIError as exc:
+            outcome["error"], outcome["pieces"] = exc, pieces
+        finally:
+            streaming.set()
+
+    streamer = threading.Thread(target=stream, daemon=True)
+    streamer.start()
+    assert streaming.wait(60), "the long stream never started"
+    assert "ended" not in outcome and "error" not in outcome, outcome
+    replies: list[httpx.Response] = []
+    lost: list[str] = []  # requests that got no answer at all
+    stop = threading.Event()
+
+    def user() -> None:
+        for i in range(500):
+            if stop.is_set():
+                return
+            started = time.monotonic()
+            try:
+                replies.append(chat(gateway, key, f"during the crash {i}"))
+            except httpx.HTTPError as exc:
+                lost.append(f"request {i}: {exc!r} after {time.monotonic() - started:.1f} s")
+
+    sender = threading.Thread(target=user, daemon=True)
+    sender.start()
+    wait_for(lambda: len(replies) >= 2, "the user's first answers", 30)
+    kill()
+    streamer.join(60)
+
+    def told() -> httpx.Response | None:  # asked here too: the user may wait on a retry
+        reply = chat(gateway, key, "anyone there?")
+        replies.append(reply)
+        return reply if reply.status_code == 503 and "member 1" in reply.text else None
+
+    try:
+        wait_for(told, "the user to be told by the head which member is gone", 60)
+    except BaseException:
+        seen = [(r.status_code, r.text[:200]) for r in replies[-5:]]
+        pytest.fail(f"the head never said which member is gone: last answers {seen}, "
+                    f"{len(replies)} in all, unanswered {lost}")
+    finally:
+        stop.set()
+        sender.join(60)
+    assert lost == [], lost
+    assert "error" in outcome, outcome  # not a silent 200 cut short
+    error = outcome["error"]
+    assert "stopped this stream" in error.message, error.message
+    assert outcome["pieces"] < 4000
+    only_the_gateways_refusals(replies)
+
+
 def rolling_restart_keeps_serving(cell: Cell, gateway: LiveGateway, key: str) -> None:
     """A second decode box joins; a rolling restart of the decode role restarts both engines,
     one at a time, while one user's requests keep going through the gateway: none fails."""
@@ -244,17 +341,42 @@ def rolling_restart_keeps_serving(cell: Cell, gateway: LiveGateway, key: str) ->
     runs = {box.name: box.api.get("/api/v1/engine").json()["run_id"]
             for box in (cell.member, second)}
 
+    import openai
+
     codes: list[int] = []
+    failures: list[str] = []
+    streams: list[int] = []
     stop = threading.Event()
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0,
+                           timeout=60)
 
     def user() -> None:  # one user, one request after another, for the whole restart
         for i in range(2000):
             if stop.is_set():
                 return
-            codes.append(chat(gateway, key, f"still there {i}?").status_code)
+            reply = chat(gateway, key, f"still there {i}?")
+            codes.append(reply.status_code)
+            if reply.status_code != 200:
+                failures.append(reply.text[:300])
 
-    worker = threading.Thread(target=user, daemon=True)
-    worker.start()
+    def streamer() -> None:  # another streams, one stream after another
+        for i in range(2000):
+            if stop.is_set():
+                return
+            try:
+                pieces = sum(1 for c in client.chat.completions.create(
+                    model="kimi-k3", max_tokens=40, stream=True,
+                    messages=[{"role": "user", "content": f"stream {i}"}],
+                    extra_body={"ignore_eos": True}) for d in c.choices if d.delta.content)
+            except openai.APIError as exc:
+                failures.append(f"stream {i}: {exc}"[:300])
+                continue
+            streams.append(pieces)
+
+    workers = [threading.Thread(target=user, daemon=True),
+               threading.Thread(target=streamer, daemon=True)]
+    for worker in workers:
+        worker.start()
     try:
         started = head.api.post("/api/v1/cell/rolling-restart",
                                 json={"role": "decode", "confirm": True})
@@ -266,8 +388,11 @@ def rolling_restart_keeps_serving(cell: Cell, gateway: LiveGateway, key: str) ->
         rolling = wait_for(ended, "the rolling restart to end", 120)
     finally:
         stop.set()
-        worker.join(60)
+        for worker in workers:
+            worker.join(60)
     assert rolling["state"] == "done", rolling
     for box in (cell.member, second):  # each decode engine was restarted: a new run
         assert box.api.get("/api/v1/engine").json()["run_id"] != runs[box.name]
+    assert failures == [], failures
     assert len(codes) > 10 and set(codes) == {200}, codes
+    assert len(streams) > 3 and set(streams) == {40}, streams
