@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from appliance.engine.logparse import (
     RankMemory,
     feed,
     initial,
+    parse_runs,
     parse_text,
 )
 from appliance.engine.logreport import render_json, render_text
@@ -487,3 +490,113 @@ def test_render_json_content_for_the_sample() -> None:
     assert data["failure"] is None and data["ready"] is True
     failed = render_json(parse_text((LOGS / "scheduler_died_rank3.log").read_text()))
     assert failed["failure"]["reason"] == "scheduler_died" and failed["failure"]["rank"] == 3
+
+
+# --- the real engine's own logs (SGLang 0.5.23 on a CPU, reference/sglang-cpu.md) -------------
+
+CPU_LOGS = Path(__file__).parent / "data" / "sglang-cpu"
+REPO = Path(__file__).resolve().parent.parent
+# A single launch as the real engine writes it: import warnings (no log prefix, each with its
+# source line), "Cuda graph is disabled" and "Fail to set RLIMIT_NOFILE" before server_args.
+CPU_START = """\
+/venv/lib/python3.11/site-packages/sglang/srt/layers/quantization/awq/awq.py:53: UserWarning: Only CUDA, HIP and XPU support AWQ currently.
+  warnings.warn(f"Only CUDA, HIP and XPU support AWQ currently.")
+[2026-12-02 06:02:19] Cuda graph is disabled because of using torch native attention backend
+/venv/lib/python3.11/site-packages/sglang/kernels/ops/attention/fla/utils.py:223: UserWarning: Triton is not supported on current platform, roll back to CPU.
+  warnings.warn(
+[2026-12-02 06:02:22] Fail to set RLIMIT_NOFILE: current limit exceeds maximum limit
+[2026-12-02 06:02:22] server_args={'model_path': '/m', 'tokenizer_path': '/m', 'tp_size': 1, 'api_key': 'sk-engine-abc', 'admin_api_key': None}
+[2026-12-02 06:02:59] Init parallel begin.
+[2026-12-02 06:03:02] Load weight begin. avail mem=20.12 GB
+[2026-12-02 06:03:02] Load weight end. elapsed=0.07 s, type=LlamaForCausalLM, avail mem=20.11 GB, mem usage=0.00 GB.
+[2026-12-02 06:03:04] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 4096, K size: 0.00 GB, V size: 0.00 GB
+[2026-12-02 06:03:04] max_total_num_tokens=4096, chunked_prefill_size=4096, max_prefill_tokens=16384, max_running_requests=2048, context_len=2048, available_cpu_mem=20.19 GB
+[2026-12-02 06:03:04] INFO:     Uvicorn running on http://127.0.0.1:40569 (Press CTRL+C to quit)
+[2026-12-02 06:03:07] The server is fired up and ready to roll!
+[2026-12-02 06:03:10] INFO:     127.0.0.1:48436 - "POST /v1/chat/completions HTTP/1.1" 200 OK
+"""  # noqa: E501 - the engine's own lines, unwrapped
+CPU_DRAIN = """\
+[2026-12-02 06:03:10] SIGTERM received. signum=None frame=None. Draining requests and shutting down...
+[2026-12-02 06:03:10] Gracefully exiting... Remaining number of requests 1. Remaining requests remaining_rids=['0d5aa77b'].
+[2026-12-02 06:03:13] Decode batch, #running-req: 1, #token: 43, token usage: 0.01, cpu graph: False, gen throughput (token/s): 4.21, #queue-req: 0
+[2026-12-02 06:03:30] Gracefully exiting... Remaining number of requests 0. Remaining requests remaining_rids=[].
+[2026-12-02 06:03:30] kill_process_tree called: parent_pid=6566, include_parent=False, pid=6566
+[2026-12-02 06:03:30] INFO:     Shutting down
+[2026-12-02 06:03:32] INFO:     Finished server process [6566]
+"""  # noqa: E501
+# No request ever reached the tokenizer manager: SGLang's drain handler was never installed.
+CPU_NO_DRAIN = """\
+[2026-12-02 06:04:30] INFO:     Shutting down
+[2026-12-02 06:04:30] INFO:     Waiting for application shutdown.
+[2026-12-02 06:04:30] INFO:     Application shutdown complete.
+[2026-12-02 06:04:30] INFO:     Finished server process [8968]
+"""
+
+
+def test_a_real_single_launch_is_one_run_with_its_warnings_in_it() -> None:
+    """Issue 21: the lines before server_args made a phantom run ("run 2 of 2")."""
+    state = parse_text(CPU_START)
+    assert state.origin is not None and (state.origin.number, state.origin.of) == (1, 1)
+    assert state.origin.start_line == 1 and state.origin.started_at == "2026-12-02 06:02:19"
+    assert state.ready and state.phase is Phase.READY and state.stop is None
+    # A second launch appended: its own warnings open its run, not the first run's tail.
+    first, second = parse_runs(CPU_START + CPU_DRAIN + CPU_START)
+    assert first.stop is not None and second.stop is None
+    assert second.origin is not None and second.origin.start_line == (
+        (CPU_START + CPU_DRAIN).count("\n") + 1)
+
+
+def test_a_rotated_head_with_a_run_under_way_stays_a_run_of_its_own() -> None:
+    head = "[2026-12-02 06:00:00 TP0] Decode batch, #running-req: 1, #token: 43\n"
+    runs = parse_runs(head + CPU_START)
+    assert [run.origin.marked for run in runs if run.origin] == [False, True]
+
+
+def test_a_real_drain_shows_the_stop_not_ready() -> None:
+    state = parse_text(CPU_START + CPU_DRAIN)
+    assert state.phase is Phase.STOPPED
+    assert [phase for phase, _ in state.phases][-3:] == [Phase.READY, Phase.DRAINING,
+                                                        Phase.STOPPED]
+    assert state.stop is not None
+    assert (state.stop.signal_at, state.stop.drained, state.stop.in_flight,
+            state.stop.remaining, state.stop.ended_at) == (
+        "2026-12-02 06:03:10", True, 1, 0, "2026-12-02 06:03:30")
+    assert state.failure is None
+    text = render_text(state)
+    assert "Ready: it was, until its stop (last phase reached: STOPPED)" in text
+    assert ("Stop: SIGTERM at 2026-12-02 06:03:10; drained 1 request in flight, stopped at "
+            "2026-12-02 06:03:30") in text
+    assert render_json(state)["stop"]["drained"] is True
+    # Mid-drain (the log ends while a request is still in flight): draining.
+    mid = parse_text(CPU_START + CPU_DRAIN[:CPU_DRAIN.index("[2026-12-02 06:03:30]")])
+    assert mid.phase is Phase.DRAINING and mid.stop is not None and mid.stop.remaining == 1
+    assert "requests still in flight when the log ends" in render_text(mid)
+
+
+def test_a_stop_without_sglangs_drain_reads_as_stopped_without_a_drain() -> None:
+    state = parse_text(CPU_START + CPU_NO_DRAIN)
+    assert state.phase is Phase.STOPPED and state.stop is not None
+    assert not state.stop.drained and state.stop.signal_at is None
+    assert state.stop.ended_at == "2026-12-02 06:04:30"
+    assert "stopped at 2026-12-02 06:04:30 without a drain" in render_text(state)
+
+
+def test_a_forced_exit_is_named() -> None:
+    forced = ("[2026-12-02 06:05:00] SIGTERM received. signum=15 frame=None. Draining requests "
+              "and shutting down...\n[2026-12-02 06:05:05] Signal SIGTERM received while health "
+              "check failed. Force exiting.\n")
+    state = parse_text(CPU_START + forced)
+    assert state.phase is Phase.STOPPED and state.stop is not None
+    assert state.stop.forced is not None and "health check failed" in state.stop.forced
+
+
+@pytest.mark.parametrize("path", sorted(CPU_LOGS.glob("*.log")), ids=lambda p: p.name)
+def test_parse_log_on_each_captured_real_log_says_run_1_of_1(path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "appliance", "engine", "parse-log", str(path)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("Log: run 1 of 1,"), done.stdout
+    state = parse_text(path.read_text(errors="replace"))
+    if "SIGTERM received." in path.read_text(errors="replace"):
+        assert state.stop is not None and state.phase in (Phase.DRAINING, Phase.STOPPED)
+        assert "Stop: SIGTERM at" in done.stdout

@@ -21,6 +21,7 @@ from appliance.auth.guards import password_current
 from appliance.auth.liveness import credential_check, while_authorised
 from appliance.auth.middleware import AuthInfo, client_address
 from appliance.engine.actions import run_action, scheduled_dict
+from appliance.engine.logsecrets import redact, redact_json, redact_lines
 from appliance.engine.logtail import follow, tail
 from appliance.engine.records import list_runs
 from appliance.engine.schedule import (
@@ -30,7 +31,7 @@ from appliance.engine.schedule import (
 from appliance.engine.states import Command
 from appliance.engine.views import run_dict, spec_rows, status_dict
 from appliance.errors import ApplianceError
-from appliance.runtime import runtime_of
+from appliance.runtime import Runtime, runtime_of
 
 AdminRequest = Request[Admin, AuthInfo, Any]
 
@@ -42,12 +43,21 @@ class ActionBody:
     at: dt.datetime | None = None  # run in a maintenance window instead of now
 
 
+def engine_keys(runtime: Runtime) -> tuple[str, ...]:
+    """The engine keys this daemon holds in memory (the one it sends, the one the engine last
+    took), redacted wherever an engine log line or figure leaves through the API."""
+    keys = runtime.engine_keys
+    return tuple(key for key in (keys.current, keys.accepted) if key)
+
+
 @get("/", summary="Engine state, progress, memory table and launch figures")
 async def engine_status(request: AdminRequest) -> dict[str, Any]:
     from appliance.status import engine_admission  # admits_requests: the gateway's word too
 
     runtime = runtime_of(request)
-    return {**status_dict(runtime.supervisor.status), **await engine_admission(runtime)}
+    status = status_dict(runtime.supervisor.status)
+    status["log"] = redact_json(status["log"], engine_keys(runtime))
+    return {**status, **await engine_admission(runtime)}
 
 
 @get("/spec", summary="The launch argv with the origin of every flag")
@@ -100,7 +110,8 @@ async def engine_log(
     level: Annotated[Literal["", "info", "warning", "error"], QueryParameter()] = "",
 ) -> dict[str, Any]:
     runtime = runtime_of(request)
-    return {"lines": await tail(runtime.supervisor.log_path, lines, rank=rank, level=level)}
+    shown = await tail(runtime.supervisor.log_path, lines, rank=rank, level=level)
+    return {"lines": redact_lines(shown, engine_keys(runtime))}
 
 
 @get("/log/stream", summary="The engine log as server-sent events (new lines as they come)")
@@ -118,7 +129,7 @@ async def engine_log_stream(
         # or its session ends, with a last event saying why.
         async for line in while_authorised(follow(path, rank=rank, level=level), runtime,
                                            check):
-            yield line
+            yield redact(line, engine_keys(runtime))
         yield ServerSentEventMessage(
             event="unauthorized",
             data="the API token or session of this stream was revoked or has ended; "

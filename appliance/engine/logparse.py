@@ -72,9 +72,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from appliance.engine.logsecrets import redact, redact_pairs
+
 
 class Phase(enum.Enum):
-    """Startup phases the log can show, in the order the engine goes through them."""
+    """The phases the log can show, in the order the engine goes through them: its start,
+    then its stop (`StopSeen`), which may come at any point of the start."""
 
     LAUNCHING = 1
     LOADING_WEIGHTS = 2
@@ -82,6 +85,8 @@ class Phase(enum.Enum):
     CAPTURING_GRAPHS = 4
     WARMING = 5
     READY = 6
+    DRAINING = 7  # SGLang's SIGTERM handler: finishing the requests in flight
+    STOPPED = 8  # the drain is over, or the server shut down
 
 
 Reason = Literal[
@@ -219,6 +224,27 @@ class TransferIssue:
 
 
 @dataclass(frozen=True)
+class StopSeen:
+    """How the engine's stop shows in its log (SGLang 0.5.23 `tokenizer_manager.py`
+    `SignalHandler.sigterm_handler` and `sigterm_watchdog`; uvicorn's shutdown lines).
+
+    `drained` says SGLang's drain handler ran (its `SIGTERM received ... Draining requests`
+    or `Gracefully exiting...` lines): SGLang installs it only once a first request reaches
+    its tokenizer manager, so an engine that has only answered `/health` stops with uvicorn's
+    lines alone, or none, and no drain. `in_flight` is the first count of requests the drain
+    waited for, `remaining` the latest; `ended_at` the timestamp of the record that shows the
+    stop is over (the last request drained, a forced exit, or uvicorn's shutdown); `forced`
+    the line of a forced exit (health check failed, `SGL_FORCE_SHUTDOWN`)."""
+
+    signal_at: str | None = None
+    drained: bool = False
+    in_flight: int | None = None
+    remaining: int | None = None
+    ended_at: str | None = None
+    forced: str | None = None
+
+
+@dataclass(frozen=True)
 class LogState:
     """Everything learnt from the records fed so far; see the module docstring for invariants.
 
@@ -227,6 +253,8 @@ class LogState:
     seen + 1). `warnings` keeps each known warning once, without its log prefix.
     `startup_timings` flattens `cuda_graph={target_decode=..}` to `cuda_graph.target_decode`.
     `last_rank` is the TP rank of the latest prefixed record (None for the main process).
+    `stop` is None until the log shows the engine stopping. Secret values (the engine key in
+    `server_args`, a URL's password) are redacted here already (`logsecrets`).
     """
 
     phase: Phase = Phase.LAUNCHING
@@ -248,6 +276,7 @@ class LogState:
     failure: Failure | None = None
     bootstrap_server: str | None = None
     transfer_issues: tuple[TransferIssue, ...] = ()
+    stop: StopSeen | None = None
     lines: int = 0
     last_timestamp: str | None = None
     last_rank: int | None = None
@@ -392,8 +421,12 @@ _RUN_MARK = re.compile(
 _PRELAUNCH = re.compile(
     r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d{1,6})?\] ?"
     r"(?:Max running requests is reset to|Kimi-K3 DCP |Kimi-K3 DSPARK|Could not resolve DFLASH"
-    r"|fake_sglang: SGLang )"
+    r"|fake_sglang: SGLang |Cuda graph is disabled|Fail to set RLIMIT_NOFILE"
+    r"|Triton is not supported|The current platform does not support Intel AMX)"
 )
+# A Python warning as `warnings` prints it (`/x/awq.py:70: UserWarning: ...`), no log prefix;
+# the line after it, indented, is the source line that warned.
+_PY_WARNING = re.compile(r"[^\s\[][^\r\n]{0,400}?\.py:\d{1,7}: [A-Za-z]{0,40}Warning: [^\r\n]*")
 _PRELAUNCH_RECORDS = 64  # how far back from `server_args=` a launch's own records may go
 
 
@@ -404,8 +437,13 @@ def _run_bounds(text: str) -> list[_Bound]:
         launched = mark.group("args") is not None
         start = _launch_start(text, mark.start(), floor) if launched else mark.start()
         bounds.append(_Bound(start, 0, None, True, launched))
-    if not bounds or text[:bounds[0].offset].strip():
-        bounds.insert(0, _Bound(0, 0, None, False, False))
+    if not bounds:
+        bounds.append(_Bound(0, 0, None, False, False))
+    elif text[:bounds[0].offset].strip():
+        if _is_preamble(text[:bounds[0].offset]):
+            bounds[0].offset = 0  # the first launch's own records, before its server_args
+        else:
+            bounds.insert(0, _Bound(0, 0, None, False, False))
     line, counted = 1, 0
     for number, bound in enumerate(bounds, start=1):
         line += text.count("\n", counted, bound.offset)
@@ -415,6 +453,29 @@ def _run_bounds(text: str) -> list[_Bound]:
         bound.number, bound.line = number, line
         bound.started_at = stamp.group(1)[:19] if stamp else None
     return bounds
+
+
+# What says a text belongs to a run already under way: a scheduler's record (`[ts TP0]`), an
+# HTTP request the server answered, a batch line.
+_RUN_UNDER_WAY = re.compile(
+    r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d{1,6})?(?: [A-Z][A-Z_]{0,15}\d{1,6})+\]"
+    r"| HTTP/\d(?:\.\d)?\"|(?:Prefill|Decode) batch")
+
+
+def _is_preamble(head: str) -> bool:
+    """Whether the text before a log's first launch marker is that launch's own start (import
+    warnings, `Cuda graph is disabled ...`, `Fail to set RLIMIT_NOFILE ...`: what SGLang's
+    main process prints before `server_args=`) rather than the rotated tail of a run before
+    it: it shows nothing of a run under way, and folding it finds no phase, figure, failure
+    or stop."""
+    if len(head) > (1 << 20) or _RUN_UNDER_WAY.search(head):
+        return False
+    splitter, state = LineSplitter(), initial()
+    for record in [*splitter.feed(head), *splitter.flush()]:
+        state = feed(state, record)
+    return (state.phase is Phase.LAUNCHING and state.failure is None and not state.ranks
+            and state.figures is None and state.stop is None and not state.transfer_issues
+            and state.shards_total is None)
 
 
 def _launch_start(text: str, start: int, floor: int) -> int:
@@ -427,15 +488,27 @@ def _launch_start(text: str, start: int, floor: int) -> int:
             end -= 1
         if end == start or end <= floor:
             break  # glued to an unfinished bar, or nothing before it
-        line = max(text.rfind("\n", floor, end), text.rfind("\r", floor, end)) + 1
+        line = _line_start(text, floor, end)
         begin = max((m.start() for m in _TIMESTAMP_START.finditer(text, line, end)),
                     default=line)
-        if _PRELAUNCH.match(text, begin, end) is None:
+        if begin == line and line > floor and text[line] in " \t":
+            begin = _line_start(text, floor, line - 1)  # a warning's source line: its header
+        if (_PRELAUNCH.match(text, begin, end) is None
+                and _PY_WARNING.match(text, begin, _line_end(text, begin)) is None):
             break
         start = begin
         if begin > line:
             break  # what precedes it on its line is the run before
     return start
+
+
+def _line_start(text: str, floor: int, end: int) -> int:
+    return max(text.rfind("\n", floor, end), text.rfind("\r", floor, end)) + 1
+
+
+def _line_end(text: str, start: int) -> int:
+    ends = [at for at in (text.find("\n", start), text.find("\r", start)) if at >= 0]
+    return min(ends, default=len(text))
 
 
 def _runs_phrase(count: int) -> str:
@@ -567,7 +640,7 @@ _Handler = Callable[[LogState, str, int | None, str], LogState | None]
 def _on_server_args(state: LogState, msg: str, rank: int | None, ts: str) -> LogState | None:
     if not msg.startswith("server_args="):
         return None
-    pairs = _parse_server_args(msg[len("server_args="):])
+    pairs = redact_pairs(_parse_server_args(msg[len("server_args="):]))
     values = dict(pairs)
     return replace(
         state,
@@ -703,6 +776,42 @@ def _on_ready(state: LogState, msg: str, rank: int | None, ts: str) -> LogState 
     return replace(_advance(state, Phase.READY, ts), ready=True)
 
 
+# SGLang's SIGTERM handler and drain watchdog (tokenizer_manager.py 4066-4069, 3508-3540),
+# then uvicorn's shutdown (uvicorn/server.py), as the main process logs them.
+_SIGTERM = "SIGTERM received."
+_DRAINING = "Draining requests and shutting down"
+_REMAINING = re.compile(rf"Gracefully exiting\.\.\. Remaining number of requests {_INT}\b")
+_FORCED = re.compile(r"Signal SIGTERM received while .{1,80}\. Force exiting\.")
+_SERVER_DOWN = re.compile(r"(?:INFO:\s+)?(?:Shutting down|Finished server process \[\d{1,10}\])\s*")
+
+
+def _on_stop(state: LogState, msg: str, rank: int | None, ts: str) -> LogState | None:
+    """The stop's lines: a drain (DRAINING until the last request is done), a forced exit,
+    or uvicorn's shutdown with no drain before it; each ends in STOPPED but the SIGTERM."""
+    if rank is not None:
+        return None  # only the main process logs its stop
+    stop = state.stop or StopSeen()
+    if msg.startswith(_SIGTERM) and _DRAINING in msg:
+        stop = replace(stop, signal_at=stop.signal_at or ts, drained=True)
+        return replace(_advance(state, Phase.DRAINING, ts), stop=stop)
+    remaining = _REMAINING.match(msg)
+    if remaining is not None:
+        count = int(remaining.group(1))
+        stop = replace(stop, drained=True, remaining=count,
+                       in_flight=stop.in_flight if stop.in_flight is not None else count)
+        state = _advance(state, Phase.DRAINING, ts)
+        if count == 0:
+            return replace(_advance(state, Phase.STOPPED, ts), stop=replace(stop, ended_at=ts))
+        return replace(state, stop=stop)
+    if _FORCED.match(msg):
+        stop = replace(stop, forced=msg.strip(), ended_at=ts)
+        return replace(_advance(state, Phase.STOPPED, ts), stop=stop)
+    if _SERVER_DOWN.fullmatch(msg):
+        stop = replace(stop, ended_at=stop.ended_at or ts)
+        return replace(_advance(state, Phase.STOPPED, ts), stop=stop)
+    return None
+
+
 _BOOTSTRAP_UP = "KVBootstrapServer started successfully on "  # common/conn.py:3321
 _PEER = re.compile(r"bootstrap_addr: ?([^\s),]{1,300})")
 _SESSION_FAILED = re.compile(r"Session \S{1,300} failed\.")
@@ -777,7 +886,7 @@ def _on_transfer_issue(state: LogState, msg: str, rank: int | None, ts: str) -> 
     if kind is None:
         return None
     peer = _PEER.search(msg)
-    line = msg.strip()[:2000]
+    line = redact(msg.strip()[:2000])
     issues = list(state.transfer_issues)
     at = next((i for i, issue in enumerate(issues) if issue.kind == kind), None)
     if at is None:
@@ -801,7 +910,7 @@ def _on_warning(state: LogState, msg: str, rank: int | None, ts: str) -> LogStat
 
 _MESSAGE_HANDLERS: tuple[_Handler, ...] = (
     _on_server_args, _on_weight_begin, _on_weight_end, _on_mamba, _on_kv, _on_pool_end,
-    _on_capture, _on_figures, _on_timings, _on_uvicorn, _on_ready, _on_warning,
+    _on_capture, _on_figures, _on_timings, _on_uvicorn, _on_ready, _on_stop, _on_warning,
     _on_bootstrap_up, _on_transfer_issue,
 )
 
@@ -917,10 +1026,10 @@ def _failure_or_detail(
     finding = _classify(state, message.strip(), rank, bare=bare)
     line = line.strip()
     if finding is not None:
-        return replace(state, failure=_refine(state.failure, finding, line))
+        return replace(state, failure=_refine(state.failure, finding, redact(line)))
     failure = state.failure
-    if (bare and failure is not None and failure.detail is None and failure.line != line
-            and _EXCEPTION_LINE.fullmatch(line)):
+    if (bare and failure is not None and failure.detail is None
+            and _EXCEPTION_LINE.fullmatch(line) and failure.line != (line := redact(line))):
         return replace(state, failure=replace(failure, detail=line))
     return state
 

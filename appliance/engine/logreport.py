@@ -28,10 +28,13 @@ def render_text(state: LogState) -> str:
     tag = f" (run {origin.number})" if origin is not None and origin.of > 1 else ""
     if origin is not None:
         out.append(f"Log: {origin.label}{_unmarked(origin)}")
-    if state.ready:
+    if state.ready and state.stop is not None:
+        out.append(f"Ready{tag}: it was, until its stop (last phase reached: {state.phase.name})")
+    elif state.ready:
         out.append(f"Ready{tag}: yes (\"The server is fired up and ready to roll!\" seen)")
     else:
         out.append(f"Ready{tag}: no (last phase reached: {state.phase.name})")
+    out += _stop(state, tag)
     out.append(f"Phases{tag}:")
     out += [f"  {phase.name:<17} {at or '(no timestamp)'}" for phase, at in state.phases]
     out += _weights(state, tag)
@@ -70,6 +73,28 @@ def render_text(state: LogState) -> str:
     last = state.last_timestamp or "none"
     out.append(f"Records read{tag}: {state.lines:,} (last timestamp: {last})")
     return "\n".join(out) + "\n"
+
+
+def _stop(state: LogState, tag: str) -> list[str]:
+    """The stop, when the log shows one: whether SGLang drained, and how it ended."""
+    stop = state.stop
+    if stop is None:
+        return []
+    signal = f"SIGTERM at {stop.signal_at}" if stop.signal_at else "no SIGTERM line"
+    if stop.forced:
+        how = f"forced exit at {stop.ended_at}: {stop.forced}"
+    elif stop.drained and stop.remaining == 0:
+        waited = stop.in_flight or 0
+        drained = (f"drained {waited} request{'' if waited == 1 else 's'} in flight" if waited
+                   else "drained (no request was in flight)")
+        how = f"{drained}, stopped at {stop.ended_at}"
+    elif stop.drained:
+        left = "an unknown number of" if stop.remaining is None else str(stop.remaining)
+        how = f"draining, {left} requests still in flight when the log ends"
+    else:
+        how = (f"stopped at {stop.ended_at} without a drain (SGLang drains only once a "
+               "request has reached it; none had)")
+    return [f"Stop{tag}: {signal}; {how}"]
 
 
 def render_runs_text(states: list[LogState]) -> str:
@@ -112,6 +137,14 @@ def render_json(state: LogState) -> dict[str, Any]:
             "line": failure.line,
             "hint": failure.hint,
             "detail": failure.detail,
+        },
+        "stop": None if state.stop is None else {
+            "signal_at": state.stop.signal_at,
+            "drained": state.stop.drained,
+            "in_flight": state.stop.in_flight,
+            "remaining": state.stop.remaining,
+            "ended_at": state.stop.ended_at,
+            "forced": state.stop.forced,
         },
         "lines": state.lines,
         "last_timestamp": state.last_timestamp,

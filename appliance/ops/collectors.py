@@ -323,7 +323,9 @@ def engine_logs(ctx: Context) -> list[Part]:
                 f"{other}: an engine run's record names this log, not the configuration "
                 f"({path}); not read (a bundle reads only paths the configuration names)"
                 for other in sorted(named))
-    data = tail(path, ctx.log_lines, ctx=ctx)
+    from appliance.engine.logsecrets import redact_bytes  # the engine key in server_args=
+
+    data = redact_bytes(tail(path, ctx.log_lines, ctx=ctx))
     return [Part(f"engine/logs/0-{path.name}", data, f"last {ctx.log_lines} lines of {path}")]
 
 
