@@ -12,7 +12,7 @@ import gc
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
@@ -315,6 +315,29 @@ def test_log_stream_ends_when_its_token_is_revoked(logged_in: Console, server: L
         lines = _stream_ends(client, clock, revoke)
         assert "event: unauthorized" in lines
         assert client.get("/api/v1/me").status_code == 401
+
+
+def test_a_stream_whose_body_starts_after_the_revocation_still_ends(runtime: Runtime,
+                                                                    clock: FakeClock) -> None:
+    """The race behind the flaky test above: the client sees the response begin, revokes and
+    moves the clock before a loaded server first reads the stream's body. The re-checks count
+    from when the stream was opened (`since`), so that stream still ends at the next check."""
+    from appliance.auth.liveness import while_authorised
+
+    async def quiet() -> AsyncIterator[str]:
+        await asyncio.Event().wait()  # a log nobody writes to
+        yield "never"
+
+    async def revoked() -> bool:
+        return False
+
+    async def scenario() -> list[str]:
+        opened = clock.monotonic()  # the handler, before the response starts
+        clock.advance(RECHECK_SECONDS + 1)  # the client revoked and moved on meanwhile
+        stream = while_authorised(quiet(), runtime, revoked, tick=0.01, since=opened)
+        return [item async for item in stream]  # ends at its first re-check, or hangs
+
+    assert asyncio.run(asyncio.wait_for(scenario(), timeout=60)) == []
 
 
 def test_log_stream_ends_at_logout(logged_in: Console, server: LiveServer,

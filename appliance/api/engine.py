@@ -124,11 +124,14 @@ async def engine_log_stream(
     path = runtime.supervisor.log_path
     check = credential_check(request)
 
+    opened = runtime.clock.monotonic()
+
     async def lines() -> AsyncIterator[str | ServerSentEventMessage]:
         # The stream outlives the middleware's one check: it ends when its token is revoked
-        # or its session ends, with a last event saying why.
+        # or its session ends, with a last event saying why. The re-checks count from the
+        # request, not from the body's first read, which a loaded box starts later.
         async for line in while_authorised(follow(path, rank=rank, level=level), runtime,
-                                           check):
+                                           check, since=opened):
             yield redact(line, engine_keys(runtime))
         yield ServerSentEventMessage(
             event="unauthorized",

@@ -60,9 +60,13 @@ def credential_check(connection: ASGIConnection[Any, Any, Any, Any]) -> Check:
 
 async def while_authorised(
     source: AsyncIterator[T], runtime: Runtime, check: Check, *,
-    every: float = RECHECK_SECONDS, tick: float = TICK_SECONDS,
+    every: float = RECHECK_SECONDS, tick: float = TICK_SECONDS, since: float | None = None,
 ) -> AsyncIterator[T]:
     """Items of `source` until it ends or `check()` says the credential is gone.
+
+    The re-checks count from `since` (the runtime clock's monotonic time the caller opened the
+    stream at; its first read when None): a client that saw the response begin has seen the
+    stream open, however late a loaded box first reads its body.
 
     `source` may wait indefinitely between items (a quiet log), so the next item is awaited in
     a task that the loop looks past every `tick` seconds to run the check on time; `source` is
@@ -72,7 +76,7 @@ async def while_authorised(
         return await anext(source)
 
     clock = runtime.clock
-    checked = clock.monotonic()
+    checked = clock.monotonic() if since is None else since
     pending: asyncio.Task[T] | None = None
     try:
         while True:
