@@ -379,7 +379,8 @@ def test_refused_start_is_not_audited_as_done(engine_box: LiveServer, session: C
 
 
 def test_run_records_every_phase_in_order(engine_box: LiveServer, session: Console) -> None:
-    """The run's phase list is the start order up to READY, then draining and stopping."""
+    """The run's phase list is the start order up to READY, then draining, stopping and
+    stopped: a stopped run says so (it said "stopping", issue 23)."""
     assert post_action(session, "start").status_code == 202
     wait_state(session.http, "ready")
     assert post_action(session, "stop", confirm=True).status_code == 202
@@ -389,15 +390,15 @@ def test_run_records_every_phase_in_order(engine_box: LiveServer, session: Conso
         return dict(session.http.get(f"{ENGINE}/runs").json()[0])
 
     # phase writes run in order but may land after the state is shown
-    wait_until(lambda: [p[0] for p in last_run()["phases"]][-1:] == ["stopping"],
-               "the stopping phase recorded")
+    wait_until(lambda: [p[0] for p in last_run()["phases"]][-1:] == ["stopped"],
+               "the stopped phase recorded")
     run = last_run()
     phases = [p[0] for p in run["phases"]]
     start = ["launching", "loading_weights", "allocating", "capturing_graphs", "warming",
              "ready"]
     assert phases[:phases.index("ready") + 1] == [p for p in start if p in phases], phases
-    assert phases[-3:] == ["ready", "draining", "stopping"], phases
-    assert run["state"] == "stopping", run
+    assert phases[-4:] == ["ready", "draining", "stopping", "stopped"], phases
+    assert run["state"] == "stopped", run
 
 
 def test_the_cli_says_a_queued_command_is_queued_not_done() -> None:

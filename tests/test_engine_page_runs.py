@@ -41,7 +41,7 @@ from appliance.engine.views import status_dict
 from appliance.resources import templates_dir
 from appliance.runtime import Runtime, build_runtime
 from appliance.testing.fake_gpus import FakeGpus
-from appliance.ui.engine import card_actions, stop_facts
+from appliance.ui.engine import card_actions, restarting, stop_facts
 from appliance.ui.templating import configure_templates
 from tests.conftest import Console, make_config, wait_for
 
@@ -61,6 +61,7 @@ def _card(status: EngineStatus, runs: list[RunRecord] | None = None) -> str:
         "actions_offered": card_actions(status),
         "stop_facts": stop_facts(status, runs[0] if runs else None, drain_seconds=300,
                                  kill_after_seconds=60),
+        "restarting": restarting(status),
         "log_run": None,
         # an operator's page (the role guard's `can()` reads the signed-in user)
         "request": SimpleNamespace(scope={"user": SimpleNamespace(role="operator")})}
@@ -118,6 +119,22 @@ def test_a_stopped_engine_tells_how_its_run_ended_and_offers_start_alone() -> No
     assert heading and "adopted" not in heading.group(1)
     assert _buttons(html) == ["Start"]
     assert "T12:00" not in html and "+00:00" not in html  # no raw ISO times
+
+
+@pytest.mark.parametrize("state", [EngineState.DRAINING, EngineState.STOPPING,
+                                   EngineState.STOPPED])
+def test_a_restart_under_way_shows_the_restart_and_offers_no_start(state: EngineState) -> None:
+    """Issue 23: between a restart's stop and its start the card said "Stopped — restart in
+    progress" beside a Start button, a second start the restart does by itself."""
+    status = EngineStatus(state=state, since=AT, message="stopped", pending="restart",
+                          run_id=7)
+    html = _card(status, [_run()])
+    assert _buttons(html) == []
+    assert "Restart under way: the engine" in html and "No action while the engine restarts" in html
+    assert "restart in progress" not in html
+    # A plain stop still offers its Start once stopped.
+    assert _buttons(_card(EngineStatus(state=EngineState.STOPPED, since=AT, message="stopped"),
+                          [_run()])) == ["Start"]
 
 
 @pytest.mark.parametrize(("state", "expected"), [
@@ -237,6 +254,10 @@ def test_after_a_daemon_restart_the_page_shows_only_the_latest_runs_figures(
     page: Console, runtime: Runtime
 ) -> None:
     assert runtime.supervisor.status.adopted
+    # Adopted, the engine is ADOPTED until the supervisor's first read of its log finds it
+    # allocating: wait for that state (a loaded box's first poll comes late), not a time.
+    wait_for(lambda: runtime.supervisor.status.state is EngineState.ALLOCATING,
+             "the adopted engine's log to show it allocating")
     log = status_dict(runtime.supervisor.status)["log"]  # the API's figures say the same
     assert log["engine_run_id"] == 1 and (log["run"]["number"], log["run"]["of"]) == (2, 2)
     assert {rank["state_slots"] for rank in log["ranks"]} == {332} and log["warnings"] == []
@@ -262,7 +283,13 @@ def test_after_a_daemon_restart_the_page_shows_only_the_latest_runs_figures(
     assert "<progress" not in card
     assert re.search(r"Run 1 \(adopted after a daemon restart\), started 2026-12-01 12:00:05 "
                      r"UTC, ended \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC: stopped by alice"
-                     r"[^;]*; SIGTERM sent at \d\d:\d\d:\d\d UTC; killed by SIGTERM\.", card), card
+                     r"[^;]*; SIGTERM sent at \d\d:\d\d:\d\d UTC; [^<]*killed by SIGTERM\.",
+                     card), card
     heading = re.search(r"<h2>(.*?)</h2>", card, re.S)
     assert heading and "adopted" not in heading.group(1)
     assert _buttons(card[:card.index("</section>")]) == ["Start"]
+    # The Runs table says what happened to the run: it stopped (it said "stopping", the
+    # state it was in when the record was last written).
+    runs = card[card.index('id="engine-runs"'):]
+    row = re.search(r"<tr><td>1</td>.*?</tr>", runs, re.S)
+    assert row and "<td>stopped</td>" in row.group(0) and "stopping" not in row.group(0), runs

@@ -611,12 +611,15 @@ class Supervisor:
         await self._after_crash(live, reason, hint)
 
     async def _close_run(self, live: _Live, *, exit_code: int | None, reason: str,
-                         hint: str) -> None:
+                         hint: str, ended_as: EngineState | None = None) -> None:
+        """Record the run's end; `ended_as` is its last state (a stop's STOPPED: the state
+        the run ends in comes after `_live` is gone, so no transition records it)."""
         at = self.clock.now()
         figures = render_json(live.parsed)
+        phase = {"phase": (ended_as.value, at)} if ended_as is not None else {}
         await self._write_run(lambda s: update_run(
             s, live.run.id, ended_at=at, exit_code=exit_code, reason=reason, hint=hint,
-            figures=figures))
+            figures=figures, **phase))
         await asyncio.to_thread(self.runner.forget)
         self._live = None
 
@@ -666,7 +669,8 @@ class Supervisor:
         code = await self._terminate(live, grace=float(self.config.engine.kill_after_seconds))
         # What the stopped card says of the stop: who, the drain, the signal and when.
         await self._close_run(live, exit_code=code, reason="stopped",
-                              hint=f"stopped by {actor}{drained}; SIGTERM sent at {sent}")
+                              hint=f"stopped by {actor}{drained}; SIGTERM sent at {sent}",
+                              ended_as=EngineState.STOPPED)
         await self._confirm_gpus_free(live)
         self._transition(EngineState.STOPPED, "stopped", reason=None, hint="", percent=None,
                          eta_seconds=None)

@@ -43,6 +43,8 @@ def card_actions(status: EngineStatus) -> list[str]:
     and that make sense (no start while an engine lives, no stop once stopped, nothing while a
     stop is under way; a start in progress can be stopped but not restarted)."""
     state = status.state
+    if restarting(status):
+        return []  # the restart's own start comes next: a Start now would be a second one
     if state in (EngineState.STOPPED, EngineState.FAILED):
         rollback = state is EngineState.FAILED and status.rollback_available
         return ["start", "rollback"] if rollback else ["start"]
@@ -53,6 +55,13 @@ def card_actions(status: EngineStatus) -> list[str]:
     if state in STARTING:
         return ["stop"]
     return ["stop", "restart"]
+
+
+def restarting(status: EngineStatus) -> bool:
+    """A restart is under way and has not reached its start yet (it drains, stops, or has
+    stopped and is about to launch)."""
+    return status.pending == Command.RESTART.value and status.state in (
+        EngineState.DRAINING, EngineState.STOPPING, EngineState.STOPPED)
 
 
 def stop_facts(status: EngineStatus, last_run: RunRecord | None, *, drain_seconds: int,
@@ -96,7 +105,7 @@ async def _status_context(request: AdminRequest, *, oob_runs: bool) -> dict[str,
     return {"engine": status, "cost": cost_sentence(runtime), "error": "",
             "error_hint": "", "runs": runs, "oob_runs": oob_runs,
             "shows_progress": status.state in SHOWS_PROGRESS,
-            "actions_offered": card_actions(status),
+            "actions_offered": card_actions(status), "restarting": restarting(status),
             "stop_facts": stop_facts(status, runs[0] if runs else None,
                                      drain_seconds=engine.drain_seconds,
                                      kill_after_seconds=engine.kill_after_seconds),
