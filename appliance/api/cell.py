@@ -27,6 +27,7 @@ head's cell watch (appliance.cell.watch) follows the members between these calls
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from functools import partial
 from typing import Any
@@ -41,6 +42,8 @@ from appliance.auth.guards import password_current
 from appliance.auth.middleware import AuthInfo, client_address
 from appliance.cell import membership, tokens
 from appliance.cell.engine_key import check_key, fingerprint, hand_over
+from appliance.cell.layout import summary as layout_summary
+from appliance.cell.layout_guard import FIX as LAYOUT_FIX
 from appliance.cell.local import gpu_summary
 from appliance.cell.membership import Member
 from appliance.cell.peer import MemberRefused, MemberRevoked, MemberUnreachable, PeerClient
@@ -138,7 +141,8 @@ async def join(request: CellRequest, data: JSONBody[JoinBody]) -> dict[str, Any]
     await audit(runtime, actor="cell head", address=address, action="cell.join",
                 target=result.prefix, detail={"head": head})
     return {"credential": result.credential, "prefix": result.prefix, "scope": tokens.SCOPE,
-            "member": {"hostname": socket.gethostname(), "version": __version__}}
+            "member": {"hostname": socket.gethostname(), "version": __version__,
+                       "layout": runtime.cell.local.layout().to_json()}}
 
 
 @delete("/peer", status_code=200, guards=SIGNED_IN,
@@ -172,6 +176,7 @@ async def peer_status(request: CellRequest) -> dict[str, Any]:
                    "since": status.since.isoformat() if status.since else None},
         "engine_key": facts.key,
         **({"engine_key_running": facts.key_running} if facts.key_running else {}),
+        "layout": runtime.cell.local.layout().to_json(),  # what the head compares
         "gpus": gpus.to_json() if gpus else None,
         "health": {"overall": health.overall().label,
                    "checked_at": health.at.isoformat() if health.at else None,
@@ -268,6 +273,7 @@ async def add_member(request: CellRequest, data: JSONBody[MemberBody]) -> dict[s
     answer = await _client(runtime, request).join(
         address, data.token, verify_tls=data.verify_tls, head_name=socket.gethostname())
     now = runtime.clock.now()
+    await refuse_mismatched(runtime, request, address, role, data.verify_tls, answer)
     member = await runtime.db.run(lambda s: membership.add_member(
         s, runtime.state_dir, address=address, role=role, verify_tls=data.verify_tls,
         credential=str(answer["credential"]), prefix=str(answer["prefix"]),
@@ -286,6 +292,30 @@ async def add_member(request: CellRequest, data: JSONBody[MemberBody]) -> dict[s
         key = {"handed_over": False, "message": f"{exc.message} (the head tries again)"}
     runtime.cell.poke()
     return {**_view(member), "member": answer.get("member", {}), "engine_key": key}
+
+
+async def refuse_mismatched(runtime: Runtime, request: CellRequest, address: str, role: str,
+                            verify_tls: bool, answer: dict[str, Any]) -> None:
+    """A box whose KV layout the cell cannot use is not added: the credential it just gave
+    is handed back (DELETE /peer/credential), so nothing is left behind on either box."""
+    reported = answer.get("member")
+    said = reported.get("layout") if isinstance(reported, dict) else None
+    found = runtime.cell.layouts.joining(runtime.cell.local, address, role, said)
+    if not found:
+        return
+    temporary = Member(id=0, address=address, role=role, verify_tls=verify_tls,
+                       credential_prefix=str(answer["prefix"]), added_at=runtime.clock.now(),
+                       added_by=actor_of(request))
+    with contextlib.suppress(ApplianceError):
+        await _client(runtime, request).call(temporary, str(answer["credential"]), "DELETE",
+                                             "/api/v1/cell/peer/credential")
+    await audit(runtime, actor=actor_of(request), address=client_address(request),
+                action="cell.member.add", outcome="denied", target=address,
+                detail={"role": role, "mismatches": [m.message for m in found]})
+    raise ApplianceError(
+        "kv_layout_mismatch", f"{address} cannot join as {role}: " + layout_summary(found),
+        f"{LAYOUT_FIX}, then create a new join token on the member and add it again",
+        status=409, exit_code=EX_USAGE)
 
 
 async def _status(client: PeerClient, runtime: Runtime, member: Member) -> dict[str, Any]:

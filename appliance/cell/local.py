@@ -18,6 +18,7 @@ from __future__ import annotations
 import statistics
 
 from appliance.cell.engine_key import EngineKeys, fingerprint
+from appliance.cell.layout import Layout, of_argv
 from appliance.cell.router import worker_url
 from appliance.cell.view import EngineFacts, GpuSummary
 from appliance.config import Config, engine_host
@@ -39,6 +40,10 @@ class LocalEngine:
     def role(self) -> str:
         """The role the engine launches with: the head's choice, else the configuration's."""
         return self.supervisor.cell_role
+
+    def layout(self) -> Layout:
+        """The KV layout of the spec the engine's next launch uses (appliance.cell.layout)."""
+        return of_argv(self.supervisor.current_spec().serve_args())
 
     async def _capacity_of(self, run_id: int | None) -> int | None:
         if self._capacity is not None and self._capacity[0] == run_id:

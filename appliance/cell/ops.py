@@ -188,6 +188,8 @@ class CellOps:
         if action not in ENGINE_ACTIONS:
             raise ApplianceError("engine_action_unknown", f"unknown engine action {action[:20]!r}",
                                  "use start, stop or restart", status=404, exit_code=EX_USAGE)
+        member, _ = await self._member(member_id)  # never restarted into a KV mismatch
+        self.runtime.cell.layouts.check_restart(member, action)
         member, answer = await self._call_member(
             member_id, f"{PEER}/engine/{action}", {"confirm": confirm}, confirm=confirm,
             actor=actor, address=address, action="cell.member.engine", what={"action": action})

@@ -46,6 +46,7 @@ from typing import Any, Final
 import httpx
 
 from appliance.cell import membership
+from appliance.cell.layout_guard import LayoutGuard
 from appliance.cell.local import LocalEngine, QuietReads
 from appliance.cell.membership import Member, Seen
 from appliance.cell.peer import (
@@ -160,6 +161,7 @@ class CellWatch:
         self.interval, self.idle_interval = interval, idle_interval
         self.client = PeerClient(audit, actor=ACTOR, address="", transport=transport)
         self.reads = QuietReads()  # the member side: which status reads it audits
+        self.layouts = LayoutGuard()  # what must match between prefill and decode
         self.view: CellView | None = None  # the latest (None: before the first poll)
         self.polls = 0
         self._task: asyncio.Task[None] | None = None
@@ -220,6 +222,7 @@ class CellWatch:
         observed = list(await asyncio.gather(*(self._observe(m) for m in members)))
         await self._keep(observed)
         await self._push_keys(observed, own.key)
+        await self.layouts.poll(self.local, observed, self._event)
         # The router follows the workers; whether it then runs is part of the final view.
         provisional = build_view(own, observed, router_running=False, at=self.clock.now())
         running = await self._drive_router(provisional)
