@@ -13,6 +13,7 @@ test_qualify_run). No wall-clock assertions; servers on 127.0.0.1; every loop bo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import re
@@ -92,6 +93,11 @@ def test_the_limit_and_where_it_comes_from() -> None:
     assert admission_limit(62, POINT, margin=2).limit == 14
     assert admission_limit(62, POINT, margin=40).limit == 1  # never shut by a large margin
     assert admission_limit(8, POINT).limit == 8  # never above what the engine can hold
+    # A ladder that stopped at its top with no step failing: the point is a lower bound.
+    bound = admission_limit(62, dataclasses.replace(POINT, lower_bound=True))
+    assert bound.words() == ("admitting up to 16 at a time (qualified 2026-12-01 20:12:03 "
+                             "UTC, floor 32 tokens/s; at least 16: the ladder stopped there "
+                             "with no step failing, continue it to admit more)")
 
     configured = admission_limit(62, POINT, margin=2, override=5)
     assert (configured.limit, configured.source) == (5, CONFIGURED)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from appliance.engine.cli import describe_status
 from appliance.health.doctor import run_doctor
 from appliance.health.model import Level
 from appliance.testing.fake_gpus import FakeGpus
@@ -107,6 +108,7 @@ def test_every_place_that_states_admission_states_the_refusal_during_a_qualifica
     assert engine["state"] == "ready" and engine["admits_requests"] is False
     assert engine["admission"]["admitting"] is False
     assert REFUSAL.search(engine["admission"]["words"]) and engine["admission"]["refusing_until"]
+    assert REFUSAL.search(describe_status(engine))  # `appliance engine status` says it too
     with ThreadPoolExecutor(1) as pool:  # Playwright's loop runs in this thread
         report = pool.submit(asyncio.run, run_doctor(runtime.config, gpus=FakeGpus())).result()
     (check,) = [r for r in report.results if r.id == "engine.state"]
