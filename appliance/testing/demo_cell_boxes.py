@@ -169,7 +169,11 @@ def moved_ports(layout: Layout) -> list[str]:
 
 
 def port_free(port: int) -> bool:
+    """Whether nothing listens on 127.0.0.1:`port`. SO_REUSEADDR as the daemons' servers set
+    it: a connection of a demo that just ended, lingering in TIME_WAIT, does not count (`make
+    demo-cell` right after `make demo` keeps :8080); a listener does."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
