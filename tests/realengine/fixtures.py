@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -26,8 +27,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from tests.conftest import free_port
 
 HERE = Path(__file__).resolve().parent
 BUILD_ENV = HERE / "build-env.sh"
@@ -59,6 +58,14 @@ HYBRID_CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native",
 # and /health must not run one either.
 NO_GENERATION_ARGS = ("--skip-server-warmup",)
 NO_GENERATION_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
+
+
+def free_port() -> int:
+    """A free loopback port (this module imports nothing of the app: capture_logs runs it
+    without the product's import chain)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def env_where() -> tuple[Path, bool]:
