@@ -59,8 +59,12 @@ Decisions the log format forces:
   listens, from its `... started successfully on HOST:PORT` line. A bootstrap port another
   process holds is still the bind failure above, its hint naming the bootstrap port.
 
-Long for one reason: it is the whole grammar of one log format (markers, `server_args`, the
-failure table), so a new SGLang release's wording changes are one file's diff.
+- **The stop.** SGLang's SIGTERM handler, its drain watchdog and uvicorn's shutdown lines
+  take the phase on to DRAINING and STOPPED (`StopSeen`), whenever in the start they come.
+
+Long for one reason: it is the grammar of one log format (markers, `server_args`, runs, the
+stop); the failure table is `logfailures`, and secrets come out through `logsecrets`, so a
+new SGLang release's wording changes are these files' diff.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from appliance.engine.logfailures import EXCEPTION_LINE, SPECIFICITY, Finding, Reason, classify
 from appliance.engine.logsecrets import redact, redact_pairs
 
 
@@ -89,9 +94,6 @@ class Phase(enum.Enum):
     STOPPED = 8  # the drain is over, or the server shut down
 
 
-Reason = Literal[
-    "out_of_memory", "scheduler_died", "signal", "bad_argument", "weights_error", "unknown"
-]
 # What went wrong between a cell's prefill and decode engines (see `TransferIssue`).
 IssueKind = Literal[
     "bootstrap_timeout", "waiting_timeout", "peer_lost", "layout_mismatch", "handshake_failed",
@@ -979,170 +981,29 @@ def _positive_int(text: str | None, default: int) -> int:
     return value if value is not None and value > 0 else default
 
 
-# --- Failures -----------------------------------------------------------------------------------
-
-_SPECIFICITY: dict[str, int] = {
-    "unknown": 0, "signal": 1, "scheduler_died": 2,
-    "out_of_memory": 3, "weights_error": 3, "bad_argument": 3,
-}
-_SIGNALS = {
-    -9: "SIGKILL", -11: "SIGSEGV", -6: "SIGABRT", -15: "SIGTERM", -7: "SIGBUS", -4: "SIGILL",
-    -3: "SIGQUIT", -2: "SIGINT",
-}
-_EXCEPTION_LINE = re.compile(
-    r"(?:[A-Za-z_]\w{0,60}\.){0,6}[A-Za-z_]\w{0,60}(?:Error|Exception)(?:: .*)?"
-)
-_ARGPARSE_ERROR = re.compile(r"[\w][\w .\-/]{0,80}: error: \S.*")
-_SCHEDULER_DIED = re.compile(
-    rf"Rank (\d{{1,6}}) scheduler died during initialization \(exit code: {_INT}\)"
-)
-_SUBPROCESS_CRASHED = re.compile(
-    rf"Subprocess (\S{{1,80}}) \(pid=\S{{1,20}}\) crashed with exit code {_INT}"
-)
-_BIND_FAILED = re.compile(
-    r"error while attempting to bind on address (\(.{1,80}?\)): address already in use"
-)
-_SCHEDULER_NAME = re.compile(r"scheduler_(\d{1,6})")
-_SHARD_PATH = re.compile(r"No such file or directory: '?([^\s']{0,400}\.safetensors)")
-_WEIGHTS_MARKERS = (
-    "SafetensorError", "Error while deserializing header", "incomplete metadata",
-    "file is truncated", "HeaderTooLarge", "MetadataIncompleteBuffer",
-    "InvalidHeaderDeserialization",
-)
-_OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "CUDA error: out of memory")
-
-
-@dataclass(frozen=True)
-class _Finding:
-    reason: Reason
-    rank: int | None
-    hint: str
+# --- Failures (the table: `logfailures`) ------------------------------------------------------
 
 
 def _failure_or_detail(
     state: LogState, line: str, message: str, rank: int | None, *, bare: bool
 ) -> LogState:
     """Classify `message` (the record minus its log prefix); `line` is the whole record."""
-    finding = _classify(state, message.strip(), rank, bare=bare)
+    finding = classify(state, message.strip(), rank, bare=bare)
     line = line.strip()
     if finding is not None:
         return replace(state, failure=_refine(state.failure, finding, redact(line)))
     failure = state.failure
     if (bare and failure is not None and failure.detail is None
-            and _EXCEPTION_LINE.fullmatch(line) and failure.line != (line := redact(line))):
+            and EXCEPTION_LINE.fullmatch(line) and failure.line != (line := redact(line))):
         return replace(state, failure=replace(failure, detail=line))
     return state
 
 
-def _refine(current: Failure | None, found: _Finding, line: str) -> Failure:
-    if current is None or _SPECIFICITY[found.reason] > _SPECIFICITY[current.reason]:
+def _refine(current: Failure | None, found: Finding, line: str) -> Failure:
+    if current is None or SPECIFICITY[found.reason] > SPECIFICITY[current.reason]:
         rank = found.rank if found.rank is not None else (current.rank if current else None)
         detail = current.detail if current is not None and current.detail != line else None
         return Failure(found.reason, rank, line, found.hint, detail)
     if found.reason == current.reason and current.rank is None and found.rank is not None:
         return replace(current, rank=found.rank, hint=found.hint)
     return current
-
-
-def _classify(state: LogState, text: str, rank: int | None, *, bare: bool) -> _Finding | None:
-    """The failure `text` reports, if any: causes first, then who died, then teardown.
-
-    argparse errors and a `ValueError` raised before the `server_args` line (SGLang resolving
-    its arguments) are recognised only on lines without a log prefix, as Python prints them.
-    """
-    if "Loaded weights leave no GPU memory for the KV cache" in text:
-        return _Finding("out_of_memory", rank, (
-            "Target and draft weights fill the static budget: raise "
-            f"--mem-fraction-static{_now(state)} above the value this line suggests, then "
-            "restart; unchanged it fails the same way."))
-    if "Not enough GPU memory for hybrid" in text:
-        return _Finding("out_of_memory", rank, (
-            f"No room for the KDA state pool: raise --mem-fraction-static{_now(state)} or "
-            "--mamba-full-memory-ratio, or lower --max-running-requests, then restart."))
-    if "Not enough memory" in text:
-        return _Finding("out_of_memory", rank, (
-            f"The MLA KV pool got no tokens: raise --mem-fraction-static{_now(state)} or lower "
-            "--mamba-full-memory-ratio to give the KV cache more of the budget, then restart."))
-    if any(marker in text for marker in _OOM_MARKERS):
-        where = f"TP{rank}" if rank is not None else "A GPU"
-        return _Finding("out_of_memory", rank, (
-            f"{where} ran out of GPU memory beyond SGLang's static budget: lower "
-            f"--mem-fraction-static{_now(state)} by about 0.02, or lower --max-running-requests or "
-            "--cuda-graph-max-bs-decode (they size the unbudgeted buffers), then restart; "
-            "unchanged it fails the same way."))
-    shard = _SHARD_PATH.search(text)
-    if shard is not None or any(marker in text for marker in _WEIGHTS_MARKERS):
-        named = f"Shard {shard.group(1)} is missing" if shard else "A weight shard is corrupt"
-        return _Finding("weights_error", rank, (
-            f"{named}: verify the model's shards (size, safetensors header, sha256) against "
-            "the manifest and re-download the bad one; restarting alone fails the same way."))
-    bind = _BIND_FAILED.search(text)
-    if bind is not None:
-        return _Finding("bad_argument", None, _bind_hint(state, bind.group(1)))
-    if bare and (_ARGPARSE_ERROR.fullmatch(text) or (
-        text.startswith("ValueError: ") and not state.server_args and state.last_rank is None
-    )):
-        return _Finding("bad_argument", None, (
-            "SGLang rejected its launch arguments before starting any GPU process: fix or "
-            "remove what this line names; restarting with the same arguments fails the same way."))
-    died = _SCHEDULER_DIED.search(text)
-    if died is not None:
-        dead = int(died.group(1))
-        return _Finding("scheduler_died", dead, _exit_hint(f"TP{dead}", int(died.group(2))))
-    crashed = _SUBPROCESS_CRASHED.search(text)
-    if crashed is not None:
-        name, code = crashed.group(1), int(crashed.group(2))
-        scheduler = _SCHEDULER_NAME.fullmatch(name)
-        if scheduler is not None:
-            dead = int(scheduler.group(1))
-            return _Finding("scheduler_died", dead, _exit_hint(f"TP{dead}", code))
-        return _Finding("signal", None, _exit_hint(f"The {name} process", code))
-    if "Scheduler hit an exception" in text:
-        who = f"TP{rank}" if rank is not None else "A scheduler"
-        return _Finding("scheduler_died", rank, (
-            f"{who} raised an exception: the traceback after this line names the cause; fix it "
-            "before restarting."))
-    if "watchdog timeout" in text and "soft=False" in text:
-        who = f"TP{rank}" if rank is not None else "A scheduler"
-        return _Finding("scheduler_died", rank, (
-            f"{who} made no progress for --watchdog-timeout seconds (a hang, often NCCL or a "
-            "GPU fault): check `nvidia-smi` and `dmesg -T` for Xid errors before restarting."))
-    if "Received sigquit from a child process" in text or "SIGQUIT received." in text:
-        return _Finding("signal", None, (
-            "A child process failed and the engine tore its process tree down: find the first "
-            "traceback or crash above this line, and check `dmesg -T` for the OOM killer or GPU "
-            "Xid errors, before restarting."))
-    if text.startswith("Initialization failed.") or " Initialization failed." in text:
-        return _Finding("unknown", rank, (
-            "Startup failed for a reason this parser does not classify: read the error above "
-            "this line (or the warmup traceback in it) before restarting."))
-    return None
-
-
-def _bind_hint(state: LogState, address: str) -> str:
-    port = state.server_arg("disaggregation_bootstrap_port")
-    if state.server_arg("disaggregation_mode") == "prefill" and port and \
-            address.rstrip(")").endswith(f", {port}"):
-        return (f"Another process holds {address}, this prefill engine's bootstrap port, so "
-                "decode engines cannot reach it: stop that process or choose another "
-                "cell.bootstrap_port (and the router's --prefill port) before restarting.")
-    return (f"Another process holds {address}, so the engine could not open its HTTP port "
-            "after loading: stop that process or choose another --port before restarting.")
-
-
-def _now(state: LogState) -> str:
-    """` (now 0.93)`: the --mem-fraction-static the failed launch used, when the log says."""
-    value = state.server_arg("mem_fraction_static")
-    return f" (now {value})" if value else ""
-
-
-def _exit_hint(who: str, code: int) -> str:
-    if code == -9:
-        return (f"{who} was killed with SIGKILL, most often by the kernel OOM killer (host RAM): "
-                "check `dmesg -T | grep -i oom` and free host memory before restarting.")
-    if code < 0:
-        name = _SIGNALS.get(code, f"signal {-code}")
-        return (f"{who} was killed by {name}: check `dmesg -T` for GPU Xid or segfault "
-                "messages before restarting.")
-    return (f"{who} exited with code {code}: its own traceback above this line names the "
-            "cause; fix it before restarting.")
