@@ -335,7 +335,15 @@ def rolling_restart_keeps_serving(cell: Cell, gateway: LiveGateway, key: str) ->
         view = head.runtime.cell.view
         return (view is not None and view.serving and first_capacity is not None
                 and view.capacity == 2 * first_capacity)
-    wait_for(both_serving, "the head to admit up to both decode boxes' capacity", 30)
+    try:
+        wait_for(both_serving, "the head to admit up to both decode boxes' capacity", 60)
+    except BaseException:
+        view = head.runtime.cell.view
+        log = head.runtime.state_dir / "router" / "router.log"
+        pytest.fail(f"the head never admitted both decodes (capacity {first_capacity}): "
+                    f"{view.message if view else 'no view'}, capacity "
+                    f"{view.capacity if view else None}; router log: "
+                    f"{log.read_text()[-3000:] if log.exists() else 'none'}")
     ops = cell_ops_of(head.server.server.config.app.state, head.runtime)
     ops.rolling_poll_seconds, ops.rolling_deadline_seconds = 0.2, 90.0
     runs = {box.name: box.api.get("/api/v1/engine").json()["run_id"]
