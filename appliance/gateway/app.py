@@ -138,11 +138,12 @@ class GatewayApp:
         published = route.published
         admission = parts.admission
         refusal = parts.gate.refusal()
+        stated = parts.admission_limit.during(published, parts.clock.now())
         body: dict[str, Any] = {
             "engine": published.state if published else "unknown",
             "admitting": refusal is None, "limit": admission.limit,
             "admitted": admission.in_use, "queued": admission.waiting,
-            "admission": parts.admission_limit.to_dict()}
+            "admission": stated.to_dict()}
         if route.cell is not None:
             body["cell"] = {"router": route.base_url, "serving": route.cell.serving,
                             "capacity": route.cell.capacity, "message": route.cell.message}

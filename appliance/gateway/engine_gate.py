@@ -36,7 +36,12 @@ from appliance.cell.published import CellPublished
 from appliance.clock import Clock, SystemClock
 from appliance.engine.publish import Published
 from appliance.gateway.errors import GatewayError, rewrap_engine_error
-from appliance.gateway.qualified import FALLBACK_LIMIT, AdmissionLimit, cell_limit
+from appliance.gateway.qualified import (
+    FALLBACK_LIMIT,
+    AdmissionLimit,
+    cell_limit,
+    qualifying_until,
+)
 from appliance.gateway.upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -124,9 +129,7 @@ def _not_serving(code: str, message: str, eta_seconds: float | None) -> GatewayE
 def qualifying(published: Published, now: dt.datetime) -> GatewayError:
     """The refusal while the box is being qualified: until the run's expected end when the
     daemon published one (else the lease's), Retry-After the seconds to it."""
-    until = published.qualifying_ends_at or published.qualifying_until or now
-    if published.qualifying_until is not None and until < published.qualifying_until:
-        until = published.qualifying_until  # ran over its estimate: the lease is renewed
+    until = qualifying_until(published, now) or now
     retry = min(QUALIFYING_RETRY_MAX,
                 max(QUALIFYING_RETRY_MIN, math.ceil((until - now).total_seconds())))
     return GatewayError(503, "engine_qualifying",
