@@ -38,6 +38,7 @@ from appliance.gateway.keys import create_key, list_keys
 from appliance.secrets import server_secret, write_private
 from appliance.testing.checkpoint import write_checkpoint
 from appliance.testing.demo_accounts import VIEWER, demo_viewer
+from appliance.testing.demo_curl import curl_example
 from appliance.testing.demo_health import HOT_CELSIUS, HOT_GPU, hot_gpu_episode, webhook_sink
 from appliance.testing.fake_gpus import FakeGpus
 from appliance.weights import records as weights_records
@@ -210,10 +211,7 @@ def run_demo(hub_url: str, alerts: Path) -> int:
         "            on fake GPUs: a 90-minute K3 start plays in about a minute. It waits for",
         "            the weights to be proven, then starts by itself.",
         f"  Gateway:  {gateway_url}/v1 (OpenAI-compatible; `appliance gateway`), for example:",
-        f"            curl {gateway_url}/v1/chat/completions -H 'Authorization: Bearer "
-        f"{chat_key}'",
-        "                 -H 'Content-Type: application/json' -d '{\"model\": \"kimi-k3\", "
-        "\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'",
+        *curl_example(gateway_url, chat_key),
         "            Three pretend users (demo_traffic) chat through it once the engine is",
         "            ready: see the Usage and API keys pages (\"summariser\" rewrites its",
         "            history, so its rewrite rate is high).",

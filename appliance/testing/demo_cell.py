@@ -70,6 +70,7 @@ from appliance.testing.demo_cell_boxes import (
     read_layout,
     run_box,
 )
+from appliance.testing.demo_curl import curl_example
 
 DEFAULT_ROOT: Final = Path(".appliance-cell")
 LOAD_SECONDS: Final = {"demo": "20", "smoke": "1"}  # the emulator's "90-minute" start
@@ -269,10 +270,7 @@ def banner(layout: Layout, logins: dict[str, Login], chat_key: str, moved: list[
         f"{head.state_dir / 'router' / 'router.log'}).",
         f"  Gateway:  {layout.gateway_url}/v1 (the head's; through the router to the head's",
         "            prefill engine and a decode member), for example:",
-        f"            curl {layout.gateway_url}/v1/chat/completions -H 'Authorization: Bearer "
-        f"{chat_key}'",
-        "                 -H 'Content-Type: application/json' -d '{\"model\": \"kimi-k3\", "
-        "\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'",
+        *curl_example(layout.gateway_url, chat_key),
         "            Three pretend users chat through it once the cell serves (about a minute).",
         "  Try:      on the Cell page, \"Restart a role, one box at a time\" with decode: each",
         "            decode engine restarts in turn while the users keep being served (Usage);",
