@@ -6,6 +6,7 @@ the per-request rows page by page (`request_page`, keyset on start time and id) 
 page's lines as it goes. Lines follow RFC 4180 (the `csv` module's quoting, CRLF endings);
 times are ISO 8601 UTC. A text cell a spreadsheet would run as a formula (starting with `=`,
 `+`, `-`, `@`, tab or CR: a model name is whatever a client sent) gets a leading `'`.
+Floats (millisecond sums) are written to the microsecond, without binary-float noise.
 """
 
 from __future__ import annotations
@@ -41,7 +42,18 @@ def _cell(value: object) -> object:
         return iso(value)
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, float):
+        return float_text(value)
     return "" if value is None else value
+
+
+def float_text(value: float) -> str:
+    """A float cell to its unit's precision: every float column is milliseconds, kept to the
+    microsecond (3 decimals), so a sum reads 41033.516, not 41033.51599999999; trailing zeros
+    go down to one decimal (12.5, 2500.0), as the column always read."""
+    text = f"{value:.3f}".rstrip("0")
+    text = text + "0" if text.endswith(".") else text
+    return "0.0" if text == "-0.0" else text
 
 
 def csv_line(values: Iterable[object]) -> str:

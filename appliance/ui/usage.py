@@ -4,7 +4,8 @@ The picker (`pages/usage.html`) chooses the range (last 24 hours, 7 days, 30 day
 of one's own) and optionally one key; a change swaps the report (`partials/usage_report.html`)
 through htmx and pushes a clean `/usage?...` URL. Typing a date switches the range to
 "custom" (and the picker comes back out of band saying so); picking a named range ignores the
-dates. The report holds the totals, the chart (server-rendered SVG,
+dates. The report holds the totals (the errors by cause, from the per-request rows:
+`appliance.gateway.error_causes`), the chart (server-rendered SVG,
 `appliance.gateway.usage_chart`), a row per key and the CSV downloads, all from the same
 helpers as the admin API (`appliance.api.usage`). A bad parameter shows as a problem in the
 report's place, with the picker still there. Before the gateway has recorded anything, the
@@ -31,6 +32,7 @@ from appliance.api.usage import (
     span_of,
 )
 from appliance.errors import ApplianceError
+from appliance.gateway.error_causes import error_causes
 from appliance.gateway.report import DEFAULT_RANGE, RANGES, key_labels, usage_recorded
 from appliance.runtime import runtime_of
 from appliance.status import admission_standing
@@ -103,7 +105,11 @@ async def usage_page(request: AdminRequest, range_name: RangeQuery = None,
     except ApplianceError as exc:
         context["problem"], status = exc, exc.status
     else:
-        context.update(report=report, links=links(span, report.key.prefix if report.key else ""),
+        key_id = report.key.id if report.key else None
+        causes = await runtime.db.run(
+            lambda s: error_causes(s, span.start, span.end, key_id))
+        context.update(report=report, causes=causes,
+                       links=links(span, report.key.prefix if report.key else ""),
                        chart=Markup(chart_for(report)))  # noqa: S704 - escaped by usage_chart
     if not request.headers.get("hx-request"):
         context["admission"] = await admission_standing(runtime)  # the gateway's standing
