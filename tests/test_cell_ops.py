@@ -163,6 +163,7 @@ class FakeCell:
                  back: bool = True, router_lag: int = 0) -> None:
         self.engines_now = {e.key: e for e in engines}
         self.path, self.back, self.router_lag = path, back, router_lag
+        self.step_messages: list[str] = []  # what each reported step said, in order
         self.restarted: list[str] = []
         self.refuse: dict[str, str] = {}
         self.fail_at: dict[str, str] = {}  # key -> the state its restart ends in
@@ -216,6 +217,8 @@ def run_rolling(cell: FakeCell, plan: Plan, *, deadline: float = 5.0, grace: flo
 
     async def report(progress: Progress, step: Step | None) -> None:
         reports.append((progress.state, f"{step.label}: {step.status}" if step else "-"))
+        if step is not None:
+            cell.step_messages.append(step.message)
 
     async def main() -> Progress:
         rolling = RollingRestart(plan, cell, started_by="alice", report=report,
@@ -244,8 +247,14 @@ def test_the_rolling_restart_restarts_one_engine_at_a_time_and_reports_each() ->
     assert progress.message == "every READY decode member was restarted and is READY again"
     assert reports[0] == ("running", "-") and reports[-1] == ("done", "-")
     steps = [r for _, r in reports[1:-1]]
-    assert steps == ["member 2: restarting", "member 2: done", "member 3: restarting",
-                     "member 3: done", "member 4: restarting", "member 4: done"]
+    # each engine is READY twice before it is done: the router takes it back only then, and
+    # the step says that it waits for the router meanwhile (once)
+    assert steps == ["member 2: restarting"] * 2 + ["member 2: done"] + \
+        ["member 3: restarting"] * 2 + ["member 3: done"] + \
+        ["member 4: restarting"] * 2 + ["member 4: done"]
+    waited = [m for m in cell.step_messages if "waiting for the router" in m]
+    assert waited == [f"member {n} is READY again; waiting for the router to send to it"
+                      for n in (2, 3, 4)]
 
 
 def test_it_stops_at_the_first_failure_and_says_which_and_why() -> None:

@@ -295,6 +295,10 @@ class RollingRestart:
                 return None
             if verdict is not None:
                 return await self._fail(index, f"{engine.label}: {verdict}")
+            waiting = f"{engine.label} is READY again; waiting for the router to send to it"
+            if seen.state == READY and seen.routed is False \
+                    and self.progress.steps[index].message != waiting:
+                await self._step(index, "restarting", waiting)  # the page says why it waits
             if self._monotonic() >= end:
                 return await self._fail(
                     index, f"{engine.label} was not READY again within "
