@@ -34,6 +34,7 @@ from appliance.cell.plan import (
     PlanInputs,
     Point,
     cache_hit,
+    decode_rate,
     measured_point,
     measured_prefill_rate,
     parse_mix,
@@ -286,8 +287,8 @@ def test_the_field_figures_are_cited_beside_the_rows_never_in_them() -> None:
     cited = [r.to_dict() for r in result.references]
     assert [(r["mix"], r["users"], r["output_tps"], r["floor_held"]) for r in cited] == [
         ("1 unified", 64, 552.0, False), ("1P+1D", 64, 1163.0, True)]
-    assert all(r["kind"] == "measured" and "issue 17" in r["basis"]
-               and "not on this box" in r["basis"] for r in cited)
+    assert all(r["kind"] == "measured" and "in the field" in r["basis"]
+               and "issue" not in r["basis"] and "not on this box" in r["basis"] for r in cited)
     assert plan_cell(inputs(), parse_mixes(())).references == ()
     mine = Point(8, 300.0, 1.0, True, 32.0, "measured on this box")
     both = plan_cell(inputs(field=FIELD_K3, measured=mine), parse_mixes(()))
@@ -340,6 +341,58 @@ def test_the_cell_pages_partial_shows_each_figure_with_its_label_and_basis() -> 
     problem_html = render_plan(plan=None, plan_problem=PlanInputError("no model", "pull it"))
     assert "The plan cannot be computed yet: no model" in problem_html
     assert "What to do: pull it" in problem_html
+
+
+def test_a_decode_box_speed_is_its_throughput_not_users_times_the_floor() -> None:
+    one = Point(32, 2387.0, 0.8, True, 32.0, "measured on this box: qualification #5")
+    rate, basis = decode_rate(one, FIELD_K3)
+    assert rate == 2387.0 and "2,387 tokens/s this box sustained at its 32" in basis
+    field_rate, field_basis = decode_rate(None, FIELD_K3)
+    assert field_rate == 1163.0 and "issue" not in field_basis
+    decoding = Point(48, 3100.0, None, True, 32.0, "measured on this box: qualification #9")
+    assert decode_rate(one, FIELD_K3, decoding) == (
+        3100.0, "3,100 tokens/s sustained by a decode box at 48 users (measured on this box: "
+        "qualification #9)")
+
+
+def test_more_boxes_never_predict_less_than_the_measured_box_without_saying_why() -> None:
+    """The issue's page: one box measured at 32 users and 2,387 tokens/s beside 1P+2D
+    predicted at 64 users and 2,045 tokens/s, three boxes below one. With the decode speed a
+    throughput, the pair and the 1P+2D serve more; where the model still limits a mix below
+    the measured box (a slow assumed prefill), its row says so."""
+    one = Point(32, 2387.0, 0.8, True, 32.0, "measured on this box: qualification #5")
+    rate, basis = decode_rate(one, None)
+    result = plan_cell(inputs(measured=one, decode_rate=rate, decode_rate_basis=basis,
+                              unified_capacity=94, prefill_rate=60_000), parse_mixes(()))
+    rows = {r.mix.label: r for r in result.rows}
+    for label in ("1P+2D", "2 unified"):
+        users, output = rows[label].users.value or 0, rows[label].output_tps.value or 0
+        assert users >= 32 and output >= 2387.0, (label, users, output)
+        assert "below the one box" not in rows[label].limited_by
+    # one decode box at the measured box's speed, less the users' waits for their first
+    # token: a hair below one box, and said so
+    pair = rows["1P+1D"]
+    assert (pair.users.value or 0) > 32 and (pair.output_tps.value or 0) < 2387.0
+    assert "in output tokens/s" in pair.limited_by and "only a lower bound" in pair.limited_by
+    slow = plan_cell(inputs(measured=one, decode_rate=rate, decode_rate_basis=basis,
+                            prefill_rate=2_000, unified_capacity=94), parse_mixes(()))
+    pair = {r.mix.label: r for r in slow.rows}["1P+1D"]
+    assert (pair.users.value or 0) < 32 and "in users and output tokens/s" in pair.limited_by
+    assert "below the one box measured here (32 users, 2,387 tokens/s)" in pair.limited_by
+    assert "prefill" in pair.limited_by and "trust the measured box" in pair.limited_by
+
+
+def test_before_a_qualification_the_page_says_every_figure_is_the_models() -> None:
+    html = render_plan(plan=plan_cell(inputs(field=FIELD_K3), parse_mixes(())),
+                       plan_problem=None)
+    assert "Predicted only:</strong> nothing in this table is measured on this box yet" in html
+    assert "issue 17" not in html and "(issue" not in html
+    one = dict(re.findall(r"<tr><th scope=\"row\">(.*?)</th>(.*?)</tr>", html, re.S))[
+        "1 unified"]
+    assert "nothing is measured on this box yet" in one  # each figure's own basis says so
+    measured = render_plan(plan=plan_cell(inputs(measured=Point(
+        8, 300.0, 1.0, True, 32.0, "measured on this box")), parse_mixes(())), plan_problem=None)
+    assert "Predicted only" not in measured
 
 
 # --- on a live daemon -------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""`GET /api/v1/cell/plan`: what each mix of boxes like this one would serve (issue 17).
+"""`GET /api/v1/cell/plan`: what each mix of boxes like this one would serve.
 
 `?profile=NAME` (a built-in or custom tuning profile; default the box's current one, as the
 Tuning page picks it), `?mix=1P+3D` (repeatable or comma-separated; added to the default
@@ -7,8 +7,9 @@ qualification judges it). Viewer and up (auth/roles.py).
 
 This module gathers the facts the pure planner (appliance.cell.plan) needs: the tuning
 model's per-role recommendation on this box's pools, this box's qualification ledger (the
-newest finished qualification of this box's spec as a unified box), whether the field
-figures of issue 17 apply (Kimi K3 on 8 GPUs), and the prefix-cache hit share of the traffic
+newest finished qualification of this box's spec as a unified box, and of its spec as a
+decode box, whose throughput sets the decode speed), whether the field figures apply (Kimi
+K3 on 8 GPUs), and the prefix-cache hit share of the traffic
 the gateway recorded since the engine's latest start (as the Tuning page reads it).
 `plan_context` gives the Cell page's partial (`partials/cell_plan.html`) its variables.
 """
@@ -66,11 +67,13 @@ async def gather(runtime: Runtime, profile: str | None, floor: float) -> PlanInp
     records = await runtime.db.run(list_qualifications)
     record = unified_record(records, unified_spec_hash(runtime))
     point = measured_point(record, floor, chosen.name) if record is not None else None
+    as_decode = unified_record(records, runtime.supervisor.current_spec(role="decode").spec_hash)
+    decoding = measured_point(as_decode, floor, chosen.name) if as_decode is not None else None
     now = runtime.clock.now()
     hit, hit_basis = cache_hit(await runtime.db.run(lambda s: gateway_records(s, now)))
     field = FIELD_K3 if (sized.geometry.model_type == "kimi_k3"
                          and sized.launch.tp == 8) else None
-    decode, decode_basis = decode_rate(point, field)
+    decode, decode_basis = decode_rate(point, field, decoding)
     rate, rate_basis = prefill_rate(record)
     prompt, answer = request_shape(chosen.lengths)
     budget = "budget measured from the engine's last startup" if sized.budget.measured \
@@ -80,7 +83,8 @@ async def gather(runtime: Runtime, profile: str | None, floor: float) -> PlanInp
         output_tokens=answer, floor=floor, unified_capacity=unified.recommended.concurrent,
         prefill_fits=prefill.recommended.concurrent >= 1, prefill_rate=rate,
         prefill_rate_basis=rate_basis, decode_rate=decode, decode_rate_basis=decode_basis,
-        budget_basis=budget, measured=point, field=field, cache_hit=hit,
+        budget_basis=budget, measured=point, decode_measured=decoding, field=field,
+        cache_hit=hit,
         cache_hit_basis=hit_basis)
 
 

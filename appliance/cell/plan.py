@@ -1,4 +1,4 @@
-"""Capacity planning for a cell: what a mix of boxes like this one would serve (issue 17). Pure.
+"""Capacity planning for a cell: what a mix of boxes like this one would serve. Pure.
 
 For a workload profile, each mix (1 unified; 1 prefill + 1 decode; 1P+2D; 2 unified; or
 an operator's `NU` / `NP+MD`) gets three figures, each labelled MEASURED or PREDICTED with
@@ -13,11 +13,19 @@ its basis in words:
 Measured figures come from this box's qualification ledger: a finished qualification of this
 box's own spec as a unified box, at a floor at least the plan's, gives the "1 unified" row
 (with the model's prediction beside it; "N unified" is then predicted as N times it). The
-field points of issue 17 (`FIELD_K3`: one B300x8 box unified, ~552 tokens/s at 64 users; a
-1P+1D pair 1,163 tokens/s at 64 users, every user above 32 tokens/s) are measured too, but
-elsewhere and on their own workload, so they are cited beside the table (`references`), never
-put in a profile's row; the pair's decode box sets the model's decode speed when this box
-has no qualification. Everything else is PREDICTED by the model below.
+field points (`FIELD_K3`: one B300x8 box unified, ~552 tokens/s at 64 users; a 1P+1D pair
+1,163 tokens/s at 64 users, every user above 32 tokens/s) are measured too, but elsewhere and
+on their own workload, so they are cited beside the table (`references`), never put in a
+profile's row. Everything else is PREDICTED by the model below.
+
+A decode box's speed is a throughput, the output tokens/s it sustained (never its users
+times the floor, which is only what each of them was promised): a decode box's own qualified
+point where one is recorded (`decode_measured`), else at least what this box sustained as a
+unified box (it also prefilled then), else the field pair's decode box.
+
+No row claims that more boxes serve fewer users or fewer tokens/s than the one box measured
+here without saying why: such a row's `limited_by` says what the model limits it by and that
+the measured box is the better guide until that mix is measured.
 
 The model (its assumptions; what a predicted figure means):
 
@@ -42,8 +50,10 @@ The model (its assumptions; what a predicted figure means):
 - TTFT is a mean prompt's prefill time, queued as at a single server with fixed service time
   (M/D/1: `(1 + rho / (2 (1 - rho)))` times the service time) at the prefill's utilisation
   `rho`; on a unified box the prefill also runs only in the time decode leaves it.
-- Output tokens/s: each user repeats "wait the TTFT, then stream an answer at the floor", so
-  `users * floor * answer / (answer + floor * TTFT)`.
+- Output tokens/s: each user repeats "wait the TTFT, then stream an answer at its speed", so
+  `users * speed * answer / (answer + speed * TTFT)`. The speed is the floor on a unified
+  box; on a P/D mix the decode boxes' throughput shared by the users (never below the floor),
+  as far as the prefill boxes, at most `UTILISATION` busy, feed the faster turns.
 - Not modelled: speculative decoding's acceptance, a router's imbalance between boxes (and
   which prefill box holds a session's cached prefix), network limits.
 """
@@ -155,8 +165,8 @@ class FieldPoints:
     pair: Point  # one prefill and one decode box
 
 
-FIELD_SOURCE = ("measured in the field on Kimi K3, 8xB300 per box, on its own workload "
-                "(issue 17), not on this box")
+FIELD_SOURCE = ("measured in the field on Kimi K3, 8xB300 per box, on its own workload, not "
+                "on this box")
 FIELD_K3 = FieldPoints(
     unified=Point(64, 552.0, None, False, DEFAULT_FLOOR,
                   f"{FIELD_SOURCE}: not every user held the floor"),
@@ -209,6 +219,7 @@ class PlanInputs:
     decode_rate_basis: str
     budget_basis: str
     measured: Point | None = None  # this box, unified
+    decode_measured: Point | None = None  # a decode box's qualified point (its throughput)
     field: FieldPoints | None = None
     cache_hit: float = 0.0  # share of the prompt found in the prefix cache
     cache_hit_basis: str = "no prefix-cache hits counted: no traffic recorded on this box yet"
@@ -369,13 +380,21 @@ def predict(inputs: PlanInputs, mix: Mix) -> _Predicted:
         limited = "the decode boxes' memory"
     else:
         limited = "the decode boxes' speed at the floor"
-    ttft = _queued(service, users * prefill_share / mix.prefill)
-    return _Predicted(users, _output(users, f, answer, ttft), ttft, limited)
+    # The decode boxes' throughput is shared by the users, each above the floor when there is
+    # more than they need, as far as the prefill boxes can feed the faster turns it brings.
+    speed = f
+    if users > 0 and decode:
+        fed = UTILISATION * mix.prefill * rate * answer / (users * prompt)
+        speed = max(f, min(decode * mix.decode / users, fed))
+    ttft = _queued(service, users * (speed * prompt / (answer * rate)) / mix.prefill)
+    return _Predicted(users, _output(users, speed, answer, ttft), ttft, limited)
 
 
 def _row(inputs: PlanInputs, mix: Mix) -> MixPlan:
     p = predict(inputs, mix)
-    model = "predicted by the model"
+    model = "predicted by the model" if inputs.measured is not None else (
+        "predicted by the model: nothing is measured on this box yet (a qualification "
+        "measures one box)")
     users = Figure(float(p.users), "predicted", model)
     output = Figure(round(p.output_tps, 1), "predicted", model)
     ttft = Figure(None if p.ttft is None else round(p.ttft, 2), "predicted",
@@ -393,22 +412,50 @@ def _row(inputs: PlanInputs, mix: Mix) -> MixPlan:
                         round(p.output_tps, 1))
         if point.ttft_seconds is not None:
             ttft = Figure(round(point.ttft_seconds, 2), measured, source, ttft.value)
-    return MixPlan(mix, users, output, ttft, p.limited_by)
+    return MixPlan(mix, users, output, ttft, _below_one_box(inputs, mix, users, output, p))
 
 
-def decode_rate(measured: Point | None, field: FieldPoints | None) -> tuple[float | None, str]:
-    """Output tokens/s one box sustains while only decoding, at the floor: at least what this
-    box held as a unified box (it also prefilled then), else what the field's decode box
-    held; None when neither is known."""
+def _below_one_box(inputs: PlanInputs, mix: Mix, users: Figure, output: Figure,
+                   p: _Predicted) -> str:
+    """`limited_by`, saying why when a mix of several boxes is predicted to serve fewer users
+    or fewer tokens/s than the one box measured here."""
+    one = inputs.measured
+    if one is None or mix.boxes <= 1:
+        return p.limited_by
+    fewer = [what for what, value, measured in (
+        ("users", users.value, float(one.users) if one.floor_held else None),
+        ("output tokens/s", output.value, one.output_tps))
+        if value is not None and measured is not None and value < measured]
+    if not fewer:
+        return p.limited_by
+    why = ("its decode speed is only a lower bound, what this box sustained while it also "
+           "prefilled" if mix.unified == 0 and inputs.decode_measured is None else
+           "its rates are assumed or scaled, not measured on this mix")
+    return (f"{p.limited_by}; below the one box measured here ({one.users} users, "
+            f"{one.output_tps:,.0f} tokens/s) in {' and '.join(fewer)}: the model's limit "
+            f"for this mix is lower than what one box did because {why}; trust the measured "
+            "box until this mix is measured")
+
+
+def decode_rate(measured: Point | None, field: FieldPoints | None,
+                decoding: Point | None = None) -> tuple[float | None, str]:
+    """Output tokens/s one box sustains while only decoding, a throughput (never users x
+    floor): a decode box's qualified point, else at least what this box sustained as a
+    unified box (it also prefilled then), else what the field's decode box sustained; None
+    when none is known."""
+    if decoding is not None:
+        return (decoding.output_tps,
+                f"{decoding.output_tps:,.0f} tokens/s sustained by a decode box at "
+                f"{decoding.users} users ({decoding.source})")
     if measured is not None:
-        return (measured.users * measured.floor,
-                f"at least this box's {measured.users} qualified users x "
-                f"{measured.floor:g} tokens/s, held while it also prefilled")
+        return (measured.output_tps,
+                f"at least the {measured.output_tps:,.0f} tokens/s this box sustained at its "
+                f"{measured.users} qualified users, while it also prefilled")
     if field is not None:
         pair = field.pair
-        return (pair.users * pair.floor,
-                f"the field's decode box held {pair.users} users above {pair.floor:g} tokens/s "
-                "(issue 17)")
+        return (pair.output_tps,
+                f"the {pair.output_tps:,.0f} tokens/s the field's decode box sustained at "
+                f"{pair.users} users, each above {pair.floor:g} tokens/s (not on this box)")
     return None, "no qualification of this box yet, and no field figure for this model"
 
 

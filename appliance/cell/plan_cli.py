@@ -67,6 +67,10 @@ def describe_plan(body: dict[str, Any]) -> str:
                       if f["model"] is not None})
     cited = [f"measured elsewhere: {r['mix']}: {r['output_tps']:,.0f} output tok/s at "
              f"{r['users']} users ({r['basis']})" for r in body["references"]]
+    if not sources:
+        lines += ["", "predicted only: nothing in this table is measured on this box yet; "
+                  "every figure, one box's included, is the model's prediction (a "
+                  "qualification measures one box)"]
     lines += ["", *(f"{kind}: {basis}" for kind, basis in sources),
               f"predicted: {body['basis']}", *cited,
               "assumptions: " + "; ".join(body["assumptions"])]
