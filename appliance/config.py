@@ -243,6 +243,13 @@ def _kv_dtype(value: str) -> str | None:
     return None if value in KV_CACHE_DTYPES else "one of " + ", ".join(KV_CACHE_DTYPES)
 
 
+def _env_names(value: Mapping[str, str]) -> str | None:
+    bad = [name for name in value if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name)
+           or name == "NOTIFY_SOCKET"]
+    return ("a table of NAME = value, each NAME a variable name (letters, digits, _; not "
+            "NOTIFY_SOCKET)") if bad else None
+
+
 def _command(value: tuple[str, ...]) -> str | None:
     return None if value and value[0] else "a non-empty list: the program, then its arguments"
 
@@ -271,6 +278,11 @@ class EngineConfig:
     kv_cache_dtype: str = _key("fp8_e4m3", _kv_dtype, "--kv-cache-dtype")
     speculative: bool = _key(False, doc="DSPARK speculative decoding")
     extra_args: tuple[str, ...] = _key((), doc="operator flags appended to the argv")
+    extra_env: Mapping[str, str] = dataclasses.field(  # a factory: a mapping is no default
+        default_factory=lambda: MappingProxyType({}),
+        metadata={"check": _env_names, "show": _show_map,
+                  "doc": "table: NAME = value added to the engine's environment (e.g. "
+                         "SGLANG_USE_CPU_ENGINE = \"1\" for SGLang on a CPU)"})
     hung_after_minutes: int = _key(15, _positive,
                                    "a load is hung only when no progress signal moved this long")
     max_retries: int = _key(3, _nonnegative, "crash retries before FAILED")
@@ -384,6 +396,10 @@ class HealthConfig:
         2, _nonnegative, "generation probes run only when running+queued requests are at "
         "most this (never on a busy engine)")
     canary_ttft_warn_ms: int = _key(5000, _positive, "canary time to first token that warns")
+    generation_probes: bool = _key(
+        True, doc="check the engine with generations (/health_generate, the canary); false "
+        "for an engine that cannot generate (a hybrid model on a CPU): readiness is then "
+        "/ready and no generation is ever sent")
     generate_timeout_seconds: int = _key(
         60, _positive, "a /health_generate or canary slower than this fails")
     restart_degraded_after_minutes: int = _key(

@@ -301,7 +301,9 @@ def inputs_from_config(
         profile_args=profile_args,
         tuning_args=tuning_args,
         role_args=role_args(config.cell if role is None else replace(config.cell, role=role)),
-        extra_env=role_env(config.cell, role or config.cell.role),
+        # The role's variables, then the operator's (engine.extra_env, e.g. CPU mode).
+        extra_env=(*role_env(config.cell, role or config.cell.role),
+                   *engine.extra_env.items()),
         operator_args=engine.extra_args,
         engine_auth=engine_auth_path(config.paths.state_dir),
     )

@@ -137,3 +137,28 @@ def reason_from_exit(code: int | None) -> tuple[str, str]:
     if code == 2:
         return "bad_argument", "SGLang rejected its arguments; fix the flag named in the log"
     return "unknown", f"the engine exited with status {code}; read the end of its log"
+
+
+def stop_outcome(code: int | None) -> str:
+    """How an engine the supervisor stopped (SIGTERM) ended, for the run's record: ""
+    when nothing is known.
+
+    SGLang 0.5.23 drains on SIGTERM (in-flight requests finish, then exit 0) only once its
+    drain handler is installed, which happens when the first request reaches its tokenizer
+    manager (`TokenizerManager.auto_create_handle_loop`). An engine that never received one
+    (started with `--skip-server-warmup` and only probed on /health or /ready) is ended by
+    uvicorn's own handler at once: status 143 (128 + SIGTERM), no drain. That is a clean
+    stop of an idle engine, not a crash and not a drain, and is said so.
+    """
+    if code is None:
+        return ""
+    if code == 0:
+        return "; the engine drained and exited cleanly"
+    if code in (143, -15):
+        return ("; the engine ended on SIGTERM at once without a drain (status 143: it had "
+                "never received a request, so SGLang had not installed its drain); nothing "
+                "was in flight")
+    if code in (137, -9):
+        return (f"; the engine did not exit within engine.kill_after_seconds and was killed "
+                f"(status {code})")
+    return f"; the engine exited with status {code}"

@@ -54,6 +54,7 @@ from appliance.engine.states import (
     later_start_phase,
     reason_from_exit,
     refusal,
+    stop_outcome,
 )
 from appliance.engine.validate import validate_launch_spec
 from appliance.errors import ApplianceError
@@ -553,8 +554,12 @@ class Supervisor:
         stop that follows at once cannot lose the last-good spec (the rollback target).
         """
         healthy = False
+        # An engine that cannot generate (health.generation_probes off: a hybrid on a CPU,
+        # whose first forward kills it) is confirmed by /ready alone, never by a generation.
+        generates = self.config.health.generation_probes
         for attempt in range(3):  # the port may answer a moment after the line is written
-            healthy = await self.client.health_generate()
+            healthy = await (self.client.health_generate() if generates
+                             else self.client.ready())
             if healthy:
                 break
             await asyncio.sleep(self.poll_interval * (attempt + 1))
@@ -580,11 +585,12 @@ class Supervisor:
             await self._event("info", f"engine ready after {seconds / 60:.1f} min")
         else:
             # Cleared by the next /ready that answers, as any "ready" failure is.
-            self._failures["ready"] = ("/health_generate failed after the ready line", "")
-            self._transition(state, "started but /health_generate failed",
-                             hint="the engine wrote its ready line but did not answer a "
-                                  "generation; look at its log")
-            await self._event("warning", "engine started but /health_generate failed")
+            probe = "/health_generate" if generates else "/ready"
+            self._failures["ready"] = (f"{probe} failed after the ready line", "")
+            self._transition(state, f"started but {probe} failed",
+                             hint="the engine wrote its ready line but did not answer "
+                                  f"{probe}; look at its log")
+            await self._event("warning", f"engine started but {probe} failed")
 
     async def _hung(self, live: _Live, stalled: float) -> None:
         minutes = stalled / 60
@@ -605,6 +611,8 @@ class Supervisor:
             return  # _stop() records the end
         failure = live.parsed.failure
         reason, hint = (failure.reason, failure.hint) if failure else reason_from_exit(code)
+        if failure is not None and failure.detail:  # the cause itself, e.g. the exception
+            hint = f"{hint} The log says: {failure.detail}"
         await self._close_run(live, exit_code=code, reason=reason, hint=hint)
         await self._event("error", f"engine exited ({reason}, status {code}) in "
                                    f"{self._status.state.label}: {hint}")
@@ -669,7 +677,8 @@ class Supervisor:
         code = await self._terminate(live, grace=float(self.config.engine.kill_after_seconds))
         # What the stopped card says of the stop: who, the drain, the signal and when.
         await self._close_run(live, exit_code=code, reason="stopped",
-                              hint=f"stopped by {actor}{drained}; SIGTERM sent at {sent}",
+                              hint=f"stopped by {actor}{drained}; SIGTERM sent at {sent}"
+                                   f"{stop_outcome(code)}",
                               ended_as=EngineState.STOPPED)
         await self._confirm_gpus_free(live)
         self._transition(EngineState.STOPPED, "stopped", reason=None, hint="", percent=None,

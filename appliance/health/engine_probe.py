@@ -14,6 +14,9 @@ time that belongs to users:
   the load is unknown, nothing is sent. SGLang's `/health_generate` is itself a generation.
   It is not gated on `/ready`: a successful `/health_generate` is what turns an engine SGLang
   marked UnHealthy back to Up, so skipping it would keep a recovered engine DEGRADED;
+- with `health.generation_probes` off (an engine that cannot generate: a hybrid model on a
+  CPU, whose first forward kills it) no generation probe is ever sent; /ready and /metrics
+  are all it reads;
 - the last probe's result stays in `EngineFigures.canary` until the next one; leaving the
   serving states forgets it (a new engine is probed afresh).
 
@@ -216,7 +219,8 @@ class EngineWatcher:
             window = figures_between(previous[1] if previous else None, reading,
                                      moment - previous[0] if previous else 0.0)
             self._previous = (moment, reading)
-        if self._due(moment) and await self._quiet(reading):
+        # health.generation_probes off: an engine that cannot generate gets none, ever.
+        if self._health.generation_probes and self._due(moment) and await self._quiet(reading):
             self._probed_at = moment
             self._canary = await self._generation_probe(now)
         return EngineFigures(
