@@ -13,7 +13,8 @@ and the state pool (`sglang:mamba_usage`); an engine without `--enable-metrics` 
 them unknown. A watchdog ends the round as **wedged** when no stream has produced a token
 for `wedge_seconds` (a prefill counts from the round's start), and as cancelled when the
 `cancel` event is set. Every loop is bounded: the users, the scrape, and a whole round by
-`round_limit` seconds.
+`round_limit` seconds. Times are the engine's: on a time-scaled emulator (`time_scale`
+wall seconds per engine second) the runner's clock runs at that scale.
 """
 
 from __future__ import annotations
@@ -73,15 +74,19 @@ class LoadRunner:
     def __init__(self, base_url: str, *, api_key: str | None, model: str,
                  wedge_seconds: float, round_limit: float = 3600.0,
                  transport: httpx.AsyncBaseTransport | None = None,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] | None = None,
+                 time_scale: float = 1.0) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # No overall timeout on a stream: the watchdog judges progress across all of them.
-        timeout = httpx.Timeout(10.0, read=wedge_seconds + 30.0)
+        # Its limits are in the engine's time; a read waits that long on the wall clock.
+        timeout = httpx.Timeout(10.0, read=wedge_seconds * time_scale + 30.0)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self._http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout,
                                        transport=transport, trust_env=False, limits=limits)
         self.model, self.wedge_seconds, self.round_limit = model, wedge_seconds, round_limit
-        self._now = monotonic
+        # Every time is the engine's (`time_scale` wall seconds per engine second), so a
+        # time-scaled emulator is measured as the box it models.
+        self._now = monotonic or (lambda: time.monotonic() / time_scale)
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -87,12 +86,11 @@ class QualifyService:
         self._progress: Progress | None = None
 
     def _default_runner(self, settings: plan.Settings) -> LoadRunner:
-        scale = settings.time_scale
         return LoadRunner(engine_url(self.config),
                           api_key=read_engine_api_key(self.config.paths.state_dir),
                           model=self.config.engine.served_model_name,
                           wedge_seconds=settings.wedge_seconds,
-                          monotonic=lambda: time.monotonic() / scale)  # the engine's time
+                          time_scale=settings.time_scale)  # measured in the engine's time
 
     # --- life ----------------------------------------------------------------------------
 
