@@ -13,10 +13,9 @@ wait is bounded (deadlines of seconds, polls of milliseconds).
 
 from __future__ import annotations
 
-import dataclasses
-
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import http.server
 import io
