@@ -166,7 +166,15 @@ class ProcessRunner:
 
     def exit_status(self, ident: EngineIdentity) -> int | None:
         child = self._children.get(ident.pid)
-        return child.poll() if child is not None else None
+        if child is None:
+            return None
+        code = child.poll()
+        if code is None and same_process(ident.pid, ident.started_at) is None:
+            # Gone (a zombie: `alive` said so) but its status not handed over yet, as seen
+            # with the real SGLang killing its own tree after a scheduler crash: wait for it.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = child.wait(timeout=5)
+        return code
 
     def terminate(self, ident: EngineIdentity) -> None:
         if self.alive(ident):

@@ -215,3 +215,16 @@ class RealEngine:
             os.killpg(self.process.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def hybrid_engine(env: Path, model: Path, log: Path, *flags: str) -> Iterator[RealEngine]:
+    """The tiny Kimi-Linear started with the tier's CPU flags plus ``flags`` (e.g.
+    ``"--mamba-full-memory-ratio", "0.5"``; a later flag wins over the default's), in
+    no-generation mode, healthy: read its pools with ``engine.wait_log("KV Cache is
+    allocated")`` and ``/server_info``. Never send it a generation: it crashes."""
+    with RealEngine.start(env, model, log=log, args=(*HYBRID_CPU_ARGS, *NO_GENERATION_ARGS,
+                                                      *flags),
+                          extra_env=NO_GENERATION_ENV) as engine:
+        engine.wait_healthy()
+        yield engine
