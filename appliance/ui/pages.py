@@ -162,6 +162,17 @@ async def events_page(
     )
 
 
+def settings_sections(
+    rows: list[tuple[str, str, str]],
+) -> list[tuple[str, list[tuple[str, str, str]]]]:
+    """The configuration's (key, value, doc) rows in their file's sections, in file order:
+    "engine.port" belongs to [engine]."""
+    sections: dict[str, list[tuple[str, str, str]]] = {}
+    for row in rows:
+        sections.setdefault(row[0].rpartition(".")[0], []).append(row)
+    return list(sections.items())
+
+
 @get("/settings", **GUARDED)
 async def settings_page(request: AdminRequest) -> Template:
     runtime = runtime_of(request)
@@ -171,7 +182,7 @@ async def settings_page(request: AdminRequest) -> Template:
         "pages/settings.html",
         context={
             "admins": admins,
-            "rows": describe(runtime.config),
+            "sections": settings_sections(describe(runtime.config)),
             "source": runtime.config.source,
             "tokens": tokens,
             "now": runtime.clock.now(),
