@@ -434,8 +434,8 @@ class GatewayConfig:
                      "address the gateway binds (users reach it here)")
     port: int = _key(8000, _port, "TCP port of the OpenAI-compatible endpoint")
     max_concurrency: int = _key(0, _nonnegative, "requests forwarded at once; 0: the running "
-                                "spec's qualified point, else the engine's "
-                                "max_running_requests from /server_info")
+                                "spec's qualified point, else the engine's own "
+                                "slot count (its /server_info)")
     qualified_margin: int = _key(0, _nonnegative, "requests below the running spec's "
                                  "qualified point the gateway admits at (appliance qualify)")
     queue_max: int = _key(512, _nonnegative, "requests waiting for a slot, over all keys")

@@ -13,6 +13,9 @@ another and "100.92 MB" on a third. The unit system, decided once:
 - Times are UTC to the second, labelled: 2026-05-01 12:00:00 UTC (`when_text`). Durations are
   words: "2 hours 5 minutes" (`duration_text`).
 - Counts take their plural: "1 check", "2 checks" (`plural`).
+- Token counts (KV capacity, context lengths, request lengths) are binary K and M, as context
+  lengths are quoted: 128K, 9.7M, 16M (`tokens_text`); a page that shows one keeps the exact
+  count in a `title` for support. Speeds are "tokens/s", never "tok/s".
 
 Every function is pure and total: a None or non-positive input gives a dash where a reading
 is missing, never an exception.
@@ -23,6 +26,8 @@ from __future__ import annotations
 import datetime as dt
 
 GIB = 1 << 30
+TOKENS_K = 1 << 10
+TOKENS_M = 1 << 20
 DASH = "—"
 _SI_UNITS = ("B", "kB", "MB", "GB", "TB", "PB")
 
@@ -93,3 +98,15 @@ def duration_text(seconds: int | float | None) -> str:
             following, next_unit = parts[index + 1] if index + 1 < len(parts) else (0, "")
             return f"{text} {plural(following, next_unit)}" if following else text
     raise AssertionError("unreachable")  # pragma: no cover - "second" always returns
+
+
+def tokens_text(tokens: int | float) -> str:
+    """A token count in binary K and M: 131072 -> 128K, 10190336 -> 9.7M, 17114112 -> 16M,
+    900 -> 900 (one decimal below 10, none above; a whole .0 is dropped)."""
+    value = float(tokens)
+    for unit, scale in (("M", TOKENS_M), ("K", TOKENS_K)):
+        if value >= scale:
+            scaled = value / scale
+            text = f"{scaled:.1f}" if scaled < 10 else f"{scaled:.0f}"
+            return f"{text.removesuffix('.0')}{unit}"
+    return f"{value:.0f}"

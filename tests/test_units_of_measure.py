@@ -32,10 +32,22 @@ from appliance.engine.states import EngineState
 from appliance.engine.supervisor import EngineStatus
 from appliance.errors import ApplianceError
 from appliance.gateway.keys import create_key
+from appliance.health.host_checks import host_checks
+from appliance.health.model import HostFigures
 from appliance.resources import templates_dir
 from appliance.runtime import Runtime
-from appliance.sizes import bytes_text, duration_text, gib_text, plural, rate_text, when_text
+from appliance.sizes import (
+    bytes_text,
+    duration_text,
+    gib_text,
+    plural,
+    rate_text,
+    tokens_text,
+    when_text,
+)
+from appliance.tuning.profiles import format_tokens
 from appliance.ui.templating import configure_templates, ticks
+from appliance.ui.words import action_text, detail_text, job_text
 from tests.conftest import Console, csrf
 from tests.test_health_api import API, gpus, runtime, seed_hour  # noqa: F401 - fixtures
 from tests.test_tuning_api import write_k3
@@ -75,6 +87,31 @@ def test_times_are_utc_to_the_second_and_durations_are_words() -> None:
     assert [duration_text(s) for s in (None, 0.4, 1, 45, 60, 303, 3600, 7500, 90_000, 3 * 86400)
             ] == ["—", "0 seconds", "1 second", "45 seconds", "1 minute", "5 minutes 3 seconds",
                   "1 hour", "2 hours 5 minutes", "1 day 1 hour", "3 days"]
+
+
+def test_token_counts_have_one_form() -> None:
+    # The Tuning page's "KV 16M / 9.7M tokens" and the Engine page's capacity, one function.
+    assert [tokens_text(n) for n in (900, 131_072, 10_190_336, 17_114_112, 1_258_291)] == [
+        "900", "128K", "9.7M", "16M", "1.2M"]
+    assert format_tokens is tokens_text  # the tuning modules' name for it
+
+
+def test_a_line_set_in_gib_is_said_in_gb_with_the_settings_own_figure(
+        runtime: Runtime) -> None:
+    health = runtime.config.health  # models_free_warn_gib = 100
+    figures = HostFigures(at=AT, models_free_bytes=90 * 2**30, models_total_bytes=2 * 10**12,
+                          state_free_bytes=10**12, state_total_bytes=2 * 10**12,
+                          shm_free_bytes=10**11, shm_total_bytes=10**11,
+                          memory_available_bytes=10**12, memory_total_bytes=2 * 10**12,
+                          load1=0.1, cpu_count=8, daemon_rss_bytes=10**8)
+    models = next(c for c in host_checks(figures, health) if c.id == "host.models_disk")
+    assert health.models_free_warn_gib == 100
+    assert "under the 107.37 GB warning line (100 GiB as configured)" in models.summary
+
+
+def test_speeds_are_tokens_per_second_everywhere(pages: dict[str, str]) -> None:
+    # "13 tokens/s" beside "13 tok/s": one way to say it on every page.
+    assert not {path for path, text in pages.items() if "tok/s" in text}
 
 
 def test_plurals() -> None:
@@ -121,15 +158,23 @@ def seed_rows(runtime: Runtime) -> None:
             add_audit(s, at=at, actor="alice", action="engine.restart", address="192.0.2.17",
                       target="engine", detail={"reason": "tuning applied", "ratio": 0.5,
                                                "profile": "long-context-agents"})
+        add_audit(s, at=now, actor="alice", action="auth.password_change", target="alice",
+                  detail={"bootstrap_file_removed": True})
         create_key(s, runtime.secret, name="research cluster batch jobs",
                    owner="alice@example.org", by="alice", now=now)
 
     runtime.db.call(write)
 
 
+CODE_NAME = re.compile(r"<(\w+)\b[^>]*\bdata-code-name\b[^>]*>.*?</\1>", re.S)
+
+
 def visible_text(html: str) -> str:
-    """What a person reads: tags, scripts and attribute values dropped."""
+    """What a person reads: tags, scripts and attribute values dropped, and the exact code
+    names a page keeps one click away for support (elements marked data-code-name: the raw
+    detail inside a <details>)."""
     html = re.sub(r"<(script|style)\b.*?</\1>", " ", html, flags=re.S)
+    html = CODE_NAME.sub(" ", html)
     return re.sub(r"<[^>]+>", " ", html)
 
 
@@ -194,7 +239,7 @@ def test_the_engine_memory_card_is_gib_and_says_what_sglang_means_by_gb() -> Non
     log = logparse.parse_text((LOGS / "k3_startup.sample.log").read_text())
     card = _engine_card(state=EngineState.READY, log=log)
     assert re.search(r"\d+\.\d\d GiB for [\d,]+ slots", card)
-    assert re.search(r"\d+\.\d\d GiB = [\d,]+ tokens", card)
+    assert re.search(r"\d+\.\d\d GiB =\s+[\d.]+[KM]?\s+tokens", card)
     assert card.count("SGLang's log says “GB” for these same GiB") == 1
     assert "KDA (Kimi Delta Attention, a linear-attention layer with a fixed-size state)" in card
     assert "MLA (multi-head latent attention, whose KV cache grows with the context)" in card
@@ -207,3 +252,41 @@ def test_the_weights_being_read_are_si() -> None:
                         eta_basis="from the read rate")
     assert "41.94 MB of 1.56 TB read" in card and "about 1 hour 30 minutes left" in card
     assert not BINARY_NOT_GIB.search(card)
+
+
+# --- words from the code -------------------------------------------------------------------------
+
+# Names from the code an operator should not have to read: audit actions, JSON details, job
+# ids, SGLang's field and flag names, a configuration's hash. The Settings page lists the
+# configuration's own keys (the file's words) and is checked for the rest only.
+CODE_WORDS = re.compile(r"auth\.password_change|engine\.restart|bootstrap_file_removed|\{&#34;|"
+                        r"\{\"|health_(?:gpus|engine|host|weights|prune)|purge_\w+|backup_tick|"
+                        r"max_running_requests|mamba_full_memory_ratio|\bspec [0-9a-f]{8,}")
+CONFIG_KEYS = re.compile(r"\b[a-z]+\.[a-z_]+\b")
+
+
+def test_no_page_shows_the_codes_own_words(pages: dict[str, str]) -> None:
+    found = {path: sorted(set(CODE_WORDS.findall(
+                 CONFIG_KEYS.sub(" ", text) if path == "/settings" else text)))
+             for path, text in pages.items()}
+    assert not {path: words for path, words in found.items() if words}
+    assert "Password changed" in pages["/audit"]
+    assert "bootstrap file removed: yes" in pages["/audit"]
+    assert "engine health check" in pages["/"]
+
+
+def test_the_exact_names_stay_one_click_away(logged_in: Console, runtime: Runtime) -> None:
+    seed_rows(runtime)
+    audit = logged_in.http.get("/audit").text
+    assert 'title="auth.password_change"' in audit
+    assert re.search(r"<details class=\"audit-detail\"><summary>bootstrap file removed: yes"
+                     r"</summary><code[^>]*>\{&#34;bootstrap_file_removed&#34;: true\}", audit)
+    assert 'title="health_engine"' in logged_in.http.get("/").text
+
+
+def test_words_for_names_the_table_does_not_know() -> None:
+    assert action_text("weights.prewarm_cancel") == "Weights prewarm cancel"
+    assert job_text("engine-action-12") == "scheduled engine action #12"
+    assert job_text("some_new_job") == "some new job"
+    assert detail_text({"ratio": 0.5, "ok": False, "gpus": [0, 1], "none": None}) == (
+        "ratio: 0.5; ok: no; gpus: 0, 1; none: —")

@@ -148,7 +148,7 @@ UTILIZATION = Spark("utilisation", lambda v: f"{v:.0f} %", min_span=10.0, lower=
                     upper=100.0)
 TOKEN_USAGE = Spark("KV cache in use", lambda v: f"{v * 100:.0f} %", min_span=0.1, lower=0.0,
                     upper=1.0)
-THROUGHPUT = Spark("generation throughput", lambda v: f"{v:,.0f} tok/s", min_span=10.0,
+THROUGHPUT = Spark("generation throughput", lambda v: f"{v:,.0f} tokens/s", min_span=10.0,
                    lower=0.0)
 GPU_SPARKS = ((GPU_TEMPERATURE, TEMPERATURE), (GPU_POWER, POWER),
               (GPU_UTILIZATION, UTILIZATION))

@@ -70,6 +70,13 @@ def _warn_line(check_id: str, title: str, summary: str, *, crossed: bool, line: 
     return _result(check_id, title, Level.OK, summary, hint)
 
 
+def _gib_line(gib: int, kind: str) -> str:
+    """A line configured in GiB, said in the console's SI bytes with the setting's own figure:
+    "under the 107.37 GB warning line (100 GiB as configured)", so the Settings page's 100
+    and the Health page's 107.37 read as the same line."""
+    return f"under the {bytes_text(gib * GIB)} {kind} line ({gib:,} GiB as configured)"
+
+
 def _disk(check_id: str, title: str, name: str, free: int | None, total: int | None,
           warn_gib: int, critical_gib: int, hint: str) -> CheckResult:
     if free is None:
@@ -81,11 +88,11 @@ def _disk(check_id: str, title: str, name: str, free: int | None, total: int | N
                f"{_share(free, total)}")
     if free < critical_gib * GIB:
         return _result(check_id, title, Level.CRITICAL,
-                       f"{summary}, under the {bytes_text(critical_gib * GIB)} critical line",
+                       f"{summary}, {_gib_line(critical_gib, 'critical')}",
                        hint)
     if free < warn_gib * GIB:
         return _result(check_id, title, Level.WARN,
-                       f"{summary}, under the {bytes_text(warn_gib * GIB)} warning line", hint)
+                       f"{summary}, {_gib_line(warn_gib, 'warning')}", hint)
     return _result(check_id, title, Level.OK, summary, hint)
 
 
@@ -113,7 +120,7 @@ def _shm(figures: HostFigures, health: HealthConfig) -> CheckResult:
     limit = health.shm_free_warn_gib
     return _warn_line(
         "host.shm", "Shared memory", summary, crossed=free < limit * GIB,
-        line=f"under the {bytes_text(limit * GIB)} warning line",
+        line=_gib_line(limit, "warning"),
         hint="find what fills it (`ls -la --sort=size /dev/shm`): segments left by a killed "
         "engine (torch_*, nccl-*) can be removed while no engine runs; /dev/shm lives in RAM")
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from appliance.errors import EX_DATAERR, ApplianceError
+from appliance.sizes import tokens_text
 
 K = 1024  # context lengths are quoted in binary K/M (128K = 131,072 tokens) across the ecosystem
 M = K * K
@@ -39,16 +40,9 @@ class ProfileError(ApplianceError):
         self.field = field
 
 
-def format_tokens(tokens: float) -> str:
-    """`131072` -> `128K`, `1258291` -> `1.2M`, `900` -> `900` (binary K and M, like context
-    lengths are quoted)."""
-    value = float(tokens)
-    for unit, scale in (("M", M), ("K", K)):
-        if value >= scale:
-            scaled = value / scale
-            text = f"{scaled:.1f}" if scaled < 10 else f"{scaled:.0f}"
-            return f"{text.removesuffix('.0')}{unit}"
-    return f"{value:.0f}"
+# Token counts have one form everywhere (appliance/sizes.py); the tuning modules call it by
+# this name.
+format_tokens = tokens_text
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,10 @@ messages use too, so a page never says a size differently from the terminal:
 - `rate`: bytes per second (MB/s, GB/s).
 - `when`: a UTC time to the second, labelled; `duration`: a span in words.
 - `plural`: `n | plural("check")` gives "1 check" / "2 checks".
+- `tokens`: a token count in binary K and M (9.7M, 128K), the Tuning page's form too.
+- `action_words`, `detail_words`, `job_words`: an audit action, an audit detail and a
+  scheduled job in the operator's words (appliance/ui/words.py); `detail_raw` the detail as
+  recorded, kept one click away for support.
 - `ticks`: a hint's `command` spans (backticks, as the CLI prints them) as <code>, so a page
   never shows a literal backtick.
 """
@@ -25,7 +29,16 @@ from markupsafe import Markup, escape
 
 from appliance import __version__
 from appliance.auth.roles import Role
-from appliance.sizes import bytes_text, duration_text, gib_text, plural, rate_text, when_text
+from appliance.sizes import (
+    bytes_text,
+    duration_text,
+    gib_text,
+    plural,
+    rate_text,
+    tokens_text,
+    when_text,
+)
+from appliance.ui.words import action_text, detail_raw, detail_text, job_text
 
 
 def when(value: dt.datetime | None) -> str:
@@ -51,7 +64,8 @@ def duration(seconds: int | float | None) -> str:
 def filters() -> dict[str, Callable[..., str]]:
     """Every filter by name: for the console's engine and for a test's bare Environment."""
     return {"when": when, "size": size, "gib": gib, "rate": rate, "duration": duration,
-            "plural": plural, "ticks": ticks}
+            "plural": plural, "ticks": ticks, "tokens": tokens_text, "action_words": action_text,
+            "detail_words": detail_text, "detail_raw": detail_raw, "job_words": job_text}
 
 
 _TICKED = re.compile(r"`([^`]+)`")
