@@ -329,18 +329,20 @@ def rolling_restart_keeps_serving(cell: Cell, gateway: LiveGateway, key: str) ->
     assert add(head, second, join_token(second)).status_code == 201
     start_engine(second)
     wait_for(lambda: engine_state(second) == "ready", "the second decode engine READY", 90)
-    first_capacity = head.runtime.cell.view.capacity if head.runtime.cell.view else None
 
-    def both_serving() -> bool:
+    def both_serving() -> bool:  # both decodes ready, the router sending to each
         view = head.runtime.cell.view
-        return (view is not None and view.serving and first_capacity is not None
-                and view.capacity == 2 * first_capacity)
+        decodes = [m for m in view.members if m.role == "decode"] if view else []
+        return (view is not None and view.serving and len(decodes) == 2
+                and all(m.ready and m.capacity for m in decodes)
+                and view.capacity == sum(m.capacity or 0 for m in decodes))
+
     try:
         wait_for(both_serving, "the head to admit up to both decode boxes' capacity", 60)
     except BaseException:
         view = head.runtime.cell.view
         log = head.runtime.state_dir / "router" / "router.log"
-        pytest.fail(f"the head never admitted both decodes (capacity {first_capacity}): "
+        pytest.fail(f"the head never admitted both decodes: "
                     f"{view.message if view else 'no view'}, capacity "
                     f"{view.capacity if view else None}; router log: "
                     f"{log.read_text()[-3000:] if log.exists() else 'none'}")
