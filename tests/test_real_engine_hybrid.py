@@ -30,7 +30,7 @@ from appliance.engine import logparse
 from appliance.engine.records import list_runs
 from appliance.engine.states import Command, EngineState
 from appliance.secrets import engine_api_key
-from tests.realengine.box import real_box, runtime_for, serving, wait_for
+from tests.realengine.box import real_box, runtime_for, serving, start_to_ready, wait_for
 from tests.realengine.fixtures import HYBRID_CPU_ARGS, NO_GENERATION_ARGS, NO_GENERATION_ENV
 
 pytestmark = pytest.mark.real_engine
@@ -66,9 +66,7 @@ def test_a_hybrid_that_cannot_generate_is_served_without_a_generation_and_stops_
 
     async def scenario() -> None:
         async with serving(supervisor):
-            await supervisor.submit(Command.START, "tester")
-            await wait_for(lambda: supervisor.status.state is EngineState.READY, "READY",
-                           supervisor)
+            await start_to_ready(supervisor)
             watcher = runtime.health.watcher
             # Two polls: the second is past no interval, so only the setting keeps the
             # generation probe away.
@@ -120,9 +118,7 @@ def test_the_hybrids_first_forward_is_a_real_crash_named_with_its_cause(
 
     async def scenario() -> None:
         async with serving(supervisor):
-            await supervisor.submit(Command.START, "tester")
-            await wait_for(lambda: supervisor.status.state is EngineState.READY, "READY",
-                           supervisor)
+            await start_to_ready(supervisor)
             found["info"] = await supervisor.client.server_info()
             async with httpx.AsyncClient(timeout=120) as http:
                 try:  # a user's request reaching the engine: its first forward

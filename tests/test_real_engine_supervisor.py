@@ -26,7 +26,7 @@ from appliance.engine.records import list_runs
 from appliance.engine.states import Command, EngineState
 from appliance.secrets import engine_api_key
 from tests.conftest import run_cli
-from tests.realengine.box import real_box, runtime_for, serving, wait_for
+from tests.realengine.box import real_box, runtime_for, serving, start_to_ready, wait_for
 from tests.realengine.fixtures import DENSE_CPU_ARGS
 
 pytestmark = pytest.mark.real_engine
@@ -57,9 +57,7 @@ def test_the_supervisor_runs_the_real_engine_to_ready_probes_it_and_stop_drains_
 
     async def scenario() -> None:
         async with serving(supervisor):
-            await supervisor.submit(Command.START, "tester")
-            await wait_for(lambda: supervisor.status.state is EngineState.READY, "READY",
-                           supervisor)
+            await start_to_ready(supervisor)
             assert supervisor._live is not None
             found["argv"] = supervisor._live.spec.argv() if supervisor._live.spec else []
             async with httpx.AsyncClient(base_url=base, timeout=30) as http:

@@ -22,6 +22,7 @@ from appliance.config import Config
 from appliance.db.database import Database
 from appliance.db.schema import migrate
 from appliance.engine.args import model_dir
+from appliance.engine.states import Command, EngineState
 from appliance.engine.supervisor import Supervisor
 from appliance.resources import migrations_dir
 from appliance.runtime import Runtime, build_runtime
@@ -79,3 +80,9 @@ async def wait_for(check: Callable[[], bool], what: str, supervisor: Supervisor,
                 f"({status.message}; {status.hint}); its log ends:\n"
                 f"{log_tail(supervisor.log_path)}")
         await asyncio.sleep(0.1)
+
+
+async def start_to_ready(supervisor: Supervisor) -> None:
+    """An operator's start, then wait for READY (the log's ready line and its confirmation)."""
+    await supervisor.submit(Command.START, "tester")
+    await wait_for(lambda: supervisor.status.state is EngineState.READY, "READY", supervisor)
