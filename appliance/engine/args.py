@@ -63,7 +63,9 @@ spec keeps its argv and its hash. Flag names and defaults are 0.5.23's
                             prefill only, when cell.hierarchical_cache: prefix KV also in host
                             DRAM; the ratio only when set (>0): without it SGLang sizes the
                             host pool to fit host memory (arg_groups/hicache_hook.py:100-126)
-See ENV_REASONS for the environment.
+The classes layer (config `[gateway.classes]`): SGLang's priority scheduling flags for the
+service classes, none without configured classes (`appliance.engine.priority` says which and
+why). See ENV_REASONS for the environment.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from appliance.engine import flags
+from appliance.engine.priority import priority_args
 from appliance.secrets import engine_auth_path
 
 if TYPE_CHECKING:
@@ -128,6 +131,7 @@ class Origin(enum.Enum):
     PROFILE = "profile"
     TUNING = "tuning"
     ROLE = "role"  # the box's part in a cell (config [cell]); nothing for a unified box
+    CLASSES = "classes"  # priority scheduling for the service classes (engine/priority.py)
     OPERATOR = "operator"
 
 
@@ -184,6 +188,7 @@ class LaunchInputs:
     profile_args: tuple[tuple[str, str | None], ...] = ()
     tuning_args: tuple[tuple[str, str | None], ...] = ()
     role_args: tuple[tuple[str, str | None], ...] = ()
+    class_args: tuple[tuple[str, str | None], ...] = ()  # appliance.engine.priority
     operator_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
     # The engine's --config file holding its API key (None: an engine without a key, e.g. a
@@ -301,6 +306,8 @@ def inputs_from_config(
         profile_args=profile_args,
         tuning_args=tuning_args,
         role_args=role_args(config.cell if role is None else replace(config.cell, role=role)),
+        class_args=priority_args(config.gateway.classes, queue_max=config.gateway.queue_max,
+                                 max_concurrency=config.gateway.max_concurrency),
         # The role's variables, then the operator's (engine.extra_env, e.g. CPU mode).
         extra_env=(*role_env(config.cell, role or config.cell.role),
                    *engine.extra_env.items()),
@@ -382,10 +389,10 @@ def resolve_program(program: str) -> str:
 def build_launch_spec(command: Sequence[str], inputs: LaunchInputs) -> LaunchSpec:
     """The launch spec for `command` (the program and its leading arguments, from the config).
 
-    Layers apply in order default, profile, tuning, role, operator; a later layer's value for a flag
-    replaces the earlier one in place (the flag keeps its position) and the note records what
-    it replaced. Flags new to the argv are appended in the order they were given. The one
-    look at the filesystem: the program's directory is resolved (`resolve_program`).
+    Layers apply in order default, profile, tuning, role, classes, operator; a later layer's
+    value for a flag replaces the earlier one in place (the flag keeps its position) and the
+    note records what it replaced. Flags new to the argv are appended in the order they were
+    given. The one look at the filesystem: the program's directory is resolved (`resolve_program`).
     """
     if not command or not command[0]:
         raise ValueError("engine command is empty: set engine.command to the sglang program")
@@ -397,6 +404,7 @@ def build_launch_spec(command: Sequence[str], inputs: LaunchInputs) -> LaunchSpe
         (Origin.PROFILE, _pairs(inputs.profile_args)),
         (Origin.TUNING, _pairs(inputs.tuning_args)),
         (Origin.ROLE, _pairs(inputs.role_args)),
+        (Origin.CLASSES, _pairs(inputs.class_args)),
         (Origin.OPERATOR, split_args(inputs.operator_args)),
     ]
     if inputs.engine_auth is not None:  # last: the engine must never run without its key

@@ -45,6 +45,7 @@ _WHERE = {
     Origin.PROFILE: "it comes from the workload profile; choose or fix the profile",
     Origin.TUNING: "it comes from the applied tuning result; re-run or revert the tuning",
     Origin.ROLE: "it comes from the box's cell role; fix the [cell] section of the config",
+    Origin.CLASSES: "it comes from the service classes; fix the [gateway.classes] tables",
     Origin.DEFAULT: "it is a built-in default: an appliance bug, please report it",
 }
 
@@ -90,6 +91,7 @@ def check_argv(argv: Sequence[str]) -> list[ArgProblem]:
         items[0] = ("--model-path", items[0][1])
     problems: list[ArgProblem] = []
     seen: dict[str, str] = {}
+    given: dict[str, tuple[str, ...]] = {}
     previous: tuple[str, Flag | None] = ("", None)
     for option, values in items:
         flag, problem = _resolve(option, values, previous)
@@ -107,12 +109,38 @@ def check_argv(argv: Sequence[str]) -> list[ArgProblem]:
             ))
         else:
             seen[flag.name] = option
+        given[flag.name] = values
         problems.extend(_check_values(option, flag, values))
+    problems.extend(priority_problems(given, seen))
     if "--model-path" not in seen:
         problems.append(ArgProblem(
             "--model-path", "--model-path: required, and missing",
             "give the directory of the model's files (the appliance sets it from engine.model)",
         ))
+    return problems
+
+
+def priority_problems(given: dict[str, tuple[str, ...]],
+                      spelled: dict[str, str]) -> list[ArgProblem]:
+    """SGLang's rules for priority scheduling (srt/arg_groups/validation_hook.py:281-305),
+    which it checks only once the engine starts: `--retraction-policy priority` needs
+    `--enable-priority-scheduling` (ValueError), and priority scheduling needs the schedule
+    policy fcfs or lof (AssertionError). Its warnings (a priority flag without priority
+    scheduling has no effect) are not problems: the engine starts."""
+    problems: list[ArgProblem] = []
+    enabled = "--enable-priority-scheduling" in given
+    if given.get("--retraction-policy") == ("priority",) and not enabled:
+        problems.append(ArgProblem(
+            spelled["--retraction-policy"],
+            f"{spelled['--retraction-policy']} priority: requires --enable-priority-scheduling",
+            "add --enable-priority-scheduling, or use --retraction-policy length"))
+    policy = given.get("--schedule-policy", ("fcfs",))
+    if enabled and policy and policy[0] not in ("fcfs", "lof"):
+        problems.append(ArgProblem(
+            spelled["--schedule-policy"],
+            f"{spelled['--schedule-policy']} {policy[0]}: priority scheduling "
+            "(--enable-priority-scheduling) works only with fcfs or lof",
+            "use --schedule-policy fcfs (or lof), or remove --enable-priority-scheduling"))
     return problems
 
 
