@@ -24,6 +24,7 @@ from types import MappingProxyType
 from typing import Any, get_type_hints
 
 from appliance.errors import ConfigError
+from appliance.gateway.classes import ClassProblem, ServiceClass, parse_classes, show_classes
 
 DEFAULT_CONFIG_PATH = Path("/etc/appliance/appliance.toml")
 DEV_ROOT = Path(".appliance")
@@ -447,6 +448,10 @@ class GatewayConfig:
                                      "are kept for good")
     tls_cert: Path | None = _key(None, _absolute, "PEM certificate; enables HTTPS")
     tls_key: Path | None = _key(None, _absolute, "PEM private key for tls_cert")
+    classes: Mapping[str, ServiceClass] = dataclasses.field(  # [gateway.classes.NAME] tables
+        default_factory=lambda: MappingProxyType({}),
+        metadata={"show": show_classes, "doc": "service classes over the built-in interactive "
+                  "and batch (appliance.gateway.classes): SLOs, share, priority"})
 
 
 BACKUP_SCHEDULE_RE = re.compile(r"daily (?P<hour>[01]\d|2[0-3]):(?P<minute>[0-5]\d)")
@@ -808,6 +813,8 @@ def _coerce(source: str, dotted: str, hint: Any, value: Any, from_env: bool) -> 
         if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
             raise wrong("a table of strings")
         return MappingProxyType(dict(value))
+    if hint == Mapping[str, ServiceClass]:  # TOML tables, or JSON in the environment
+        return _classes(source, dotted, value, from_env)
     if hint in (Path, Path | None):
         if not isinstance(value, str):
             raise wrong("a path string")
@@ -815,6 +822,25 @@ def _coerce(source: str, dotted: str, hint: Any, value: Any, from_env: bool) -> 
             return None
         return Path(value)
     raise AssertionError(f"config type {hint!r} for {dotted} has no coercion")  # a schema bug
+
+
+def _classes(source: str, dotted: str, value: Any, from_env: bool) -> Any:
+    """The operator's service classes, validated over the built-in ones (the config keeps
+    only those given; `appliance.gateway.classes.effective` adds the rest)."""
+    import json
+
+    if from_env and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ConfigError(source, dotted, repr(value), 'JSON such as {"batch": '
+                              '{"deadline_seconds": 600}} (or [gateway.classes.NAME] tables '
+                              "in the file)") from None
+    try:
+        merged = parse_classes(value)
+    except ClassProblem as problem:
+        raise ConfigError(source, problem.key, problem.found, problem.expected) from None
+    return MappingProxyType({name: merged[name] for name in value})
 
 
 def _cross_check(config: Config) -> None:

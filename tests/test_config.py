@@ -32,6 +32,7 @@ from appliance.config import (
     mask_url,
 )
 from appliance.errors import EX_CONFIG, ConfigError
+from appliance.gateway.classes import ServiceClass
 from tests.conftest import REPO, run_cli
 
 DOC = REPO / "docs" / "configuration.md"
@@ -365,6 +366,12 @@ WRONG_TYPE: dict[Any, list[str]] = {  # TOML literals no key of that type may ac
     bool: ['"yes"', '"true"', '"on"', '""', "1", "0", "1.0", "[]", "{}", "[true]",
            "1979-05-27"],
     Mapping[str, str]: ['"x"', '""', "1", "[]", '["a"]', "true", "{ a = 1 }", '{ a = ["b"] }'],
+    Mapping[str, ServiceClass]: ['"x"', "1", "[]", "{ a = 1 }", "{ Big = {} }",
+                                 "{ a = { share = 0 } }", "{ a = { colour = 1 } }",
+                                 "{ batch = { share = 1.0 } }",
+                                 "{ interactive = { ttft_slo_seconds = -1 } }",
+                                 '{ interactive = { priority = "high" } }',
+                                 "{ interactive = { preemptible = true } }"],
 }
 POSITIVE_INT = ["0", "-1", "-9999"]
 NON_NEGATIVE_INT = ["-1", "-9999"]
@@ -757,7 +764,8 @@ def test_describe_lists_every_key_once(tmp: Path) -> None:
 
 TYPE_WORDS = {int: "integer", float: "number", bool: "boolean", str: "string",
               tuple[str, ...]: "list of strings", Path: "path", Path | None: "optional path",
-              Mapping[str, str]: "table of strings"}
+              Mapping[str, str]: "table of strings",
+              Mapping[str, ServiceClass]: "table of classes"}
 NOT_KEYS = {"appliance.toml", "appliance.db", "appliance.lock"}  # dotted names that are files
 ROW = re.compile(r"^\|\s*`(?P<key>[a-z_]+\.[a-z_]+)`\s*\|\s*(?P<type>[^|]+?)\s*\|"
                  r"\s*(?P<default>[^|]+?)\s*\|", re.MULTILINE)

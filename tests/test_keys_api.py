@@ -28,7 +28,7 @@ from tests.conftest import Console, LiveServer, csrf, problem
 
 API = "/api/v1/keys"
 RECORD_KEYS = {"id", "name", "owner", "prefix", "status", "created_at", "created_by",
-               "last_used_at", "expires_at", "revoked_at", "revoked_by", "limits"}
+               "last_used_at", "expires_at", "revoked_at", "revoked_by", "limits", "service_class"}
 NO_LIMITS = {"max_concurrency": None, "requests_per_minute": None, "tokens_per_day": None,
              "max_tokens": None}
 
@@ -95,7 +95,7 @@ def test_create_shows_the_key_once_and_never_again(logged_in: Console, runtime: 
     assert trail == [("keys.create", "alice", answer["prefix"], {
         "via": "api:session", "name": "support bots", "owner": "Support team",
         "expires_at": answer["expires_at"].replace("Z", "+00:00"),
-        "limits": answer["limits"]})]
+        "limits": answer["limits"], "service_class": "interactive"})]
     assert key not in json.dumps(trail)
 
 

@@ -93,9 +93,9 @@ def test_create_list_limits_revoke(box: Path) -> None:
     assert code == 0, err
     assert key not in out
     header, row = out.splitlines()
-    assert header.split() == ["PREFIX", "NAME", "OWNER", "STATUS", "EXPIRES", "LAST", "USED",
-                              "LIMITS"]
-    assert row.startswith(f"{prefix}  support bots  Support team  active  ")
+    assert header.split() == ["PREFIX", "NAME", "OWNER", "STATUS", "CLASS", "EXPIRES", "LAST",
+                              "USED", "LIMITS"]
+    assert row.startswith(f"{prefix}  support bots  Support team  active  interactive  ")
     assert re.search(r"  never +4 concurrent, 60 requests/min, 5000000000 tokens/day$", row)
 
     code, out, err = keys(box, "limits", prefix, "--rpm", "none", "--max-tokens", "4096")

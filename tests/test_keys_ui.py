@@ -113,7 +113,8 @@ def test_create_shows_the_key_once_with_a_warning(logged_in: Console, runtime: R
         "via": "console", "name": "support bots", "owner": "Support team",
         "expires_at": "2027-01-31T00:00:00+00:00",
         "limits": {"max_concurrency": 4, "requests_per_minute": 60,
-                   "tokens_per_day": 1_000_000, "max_tokens": None}})]
+                   "tokens_per_day": 1_000_000, "max_tokens": None},
+        "service_class": "interactive"})]
 
 
 @pytest.mark.parametrize(("fields", "message"), [

@@ -3,7 +3,8 @@
 `GET /` lists the keys (newest first), `POST /` creates one and answers 201 with the key itself
 under `"key"` — the only time it is ever shown — beside its record; `GET /{prefix}` reads one,
 `PATCH /{prefix}` edits its limits (`{"limits": {...}}`: a limit left out is kept, `null`
-clears it) and `POST /{prefix}/revoke` revokes it (idempotent). Records never carry the key,
+clears it) and its service class (`{"service_class": "batch"}`, one the configuration
+defines) and `POST /{prefix}/revoke` revokes it (idempotent). Records never carry the key,
 only its 8-character prefix.
 
 The audited actions are here as functions over one database session, shared with the console
@@ -19,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,13 +36,16 @@ from appliance.auth.guards import password_current
 from appliance.auth.middleware import AuthInfo, client_address
 from appliance.db.journal import add_audit
 from appliance.errors import ApplianceError
+from appliance.gateway.classes import INTERACTIVE, effective
 from appliance.gateway.keys import (
     KeyInfo,
     KeyLimits,
+    check_class,
     create_key,
     get_key,
     list_keys,
     revoke_key,
+    update_class,
     update_limits,
 )
 from appliance.runtime import Runtime, runtime_of
@@ -72,12 +77,13 @@ class KeyView:
     revoked_at: dt.datetime | None
     revoked_by: str
     limits: KeyLimits
+    service_class: str
 
     @classmethod
     def of(cls, info: KeyInfo, now: dt.datetime) -> KeyView:
         return cls(info.id, info.name, info.owner, info.prefix, info.status(now),
                    info.created_at, info.created_by, info.last_used_at, info.expires_at,
-                   info.revoked_at, info.revoked_by, info.limits)
+                   info.revoked_at, info.revoked_by, info.limits, info.service_class)
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,7 @@ class KeyCreateBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     expires_at: str | None = None
     expires_in_days: int | None = None
     limits: LimitsBody = msgspec.field(default_factory=LimitsBody)
+    service_class: str = INTERACTIVE
 
 
 class LimitsEditBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -134,7 +141,8 @@ class LimitsEditBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class KeyEditBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    limits: LimitsEditBody
+    limits: LimitsEditBody = msgspec.field(default_factory=LimitsEditBody)
+    service_class: str | UnsetType = UNSET
 
 
 # --- expiry, as the three doors take it -------------------------------------------------------
@@ -199,16 +207,36 @@ def _limits_detail(limits: KeyLimits) -> dict[str, int | None]:
 
 def create_audited(s: Session, secret: bytes, *, name: str, owner: str,
                    expires_at: dt.datetime | None, limits: KeyLimits, now: dt.datetime,
-                   actor: str, address: str, via: str) -> tuple[str, KeyInfo]:
-    """Create a key (audited `keys.create`); returns (the key, shown once; its record)."""
+                   actor: str, address: str, via: str, service_class: str = INTERACTIVE,
+                   classes: Iterable[str] = (INTERACTIVE,)) -> tuple[str, KeyInfo]:
+    """Create a key (audited `keys.create`); returns (the key, shown once; its record).
+    `classes`: the service classes the configuration defines."""
+    check_class(service_class, classes)
     key, info = create_key(s, secret, name=name, owner=owner, by=actor, now=now,
-                           expires_at=expires_at, limits=limits)
+                           expires_at=expires_at, limits=limits, service_class=service_class)
     add_audit(s, at=now, actor=actor, address=address, action="keys.create",
               target=info.prefix, detail={
                   "via": via, "name": info.name, "owner": info.owner,
                   "expires_at": expires_at.isoformat() if expires_at else None,
-                  "limits": _limits_detail(info.limits)})
+                  "limits": _limits_detail(info.limits), "service_class": service_class})
     return key, info
+
+
+def class_audited(s: Session, prefix: str, service_class: str, classes: Iterable[str], *,
+                  now: dt.datetime, actor: str, address: str, via: str) -> KeyInfo:
+    """Move a key to another service class (audited `keys.class`, with the one before)."""
+    check_class(service_class, classes)
+    before = get_key(s, prefix).service_class
+    info = update_class(s, prefix, service_class, now=now)
+    add_audit(s, at=now, actor=actor, address=address, action="keys.class", target=prefix,
+              detail={"via": via, "name": info.name, "before": before,
+                      "service_class": service_class})
+    return info
+
+
+def class_names(runtime: Runtime) -> list[str]:
+    """The service classes this box's configuration defines."""
+    return list(effective(runtime.config.gateway.classes))
 
 
 def revoke_audited(s: Session, prefix: str, *, now: dt.datetime, actor: str, address: str,
@@ -236,11 +264,20 @@ def limits_audited(s: Session, prefix: str, changes: dict[str, int | None], *,
 
 async def issue_key(runtime: Runtime, *, name: str, owner: str, expires_at: dt.datetime | None,
                     limits: KeyLimits, actor: str, address: str,
-                    via: str) -> tuple[str, KeyInfo]:
+                    via: str, service_class: str = INTERACTIVE) -> tuple[str, KeyInfo]:
     now = runtime.clock.now()
     return await runtime.db.run(lambda s: create_audited(
         s, runtime.secret, name=name, owner=owner, expires_at=expires_at, limits=limits,
-        now=now, actor=actor, address=address, via=via))
+        now=now, actor=actor, address=address, via=via, service_class=service_class,
+        classes=class_names(runtime)))
+
+
+async def change_class(runtime: Runtime, prefix: str, service_class: str, *, actor: str,
+                       address: str, via: str) -> KeyInfo:
+    now = runtime.clock.now()
+    return await runtime.db.run(lambda s: class_audited(
+        s, prefix, service_class, class_names(runtime), now=now, actor=actor,
+        address=address, via=via))
 
 
 async def withdraw_key(runtime: Runtime, prefix: str, *, actor: str, address: str,
@@ -282,7 +319,7 @@ async def keys_create(request: AdminRequest, data: JSONBody[KeyCreateBody]) -> K
     key, info = await issue_key(
         runtime, name=data.name, owner=data.owner, expires_at=body_expiry(data, now),
         limits=data.limits.limits(), actor=request.user.username,
-        address=client_address(request), via=_via(request))
+        address=client_address(request), via=_via(request), service_class=data.service_class)
     return created_view(key, info, now)
 
 
@@ -293,13 +330,23 @@ async def keys_get(request: AdminRequest, prefix: FromPath[str]) -> KeyView:
     return KeyView.of(info, runtime.clock.now())
 
 
-@patch("/{prefix:str}", summary="Edit a key's limits: a limit left out is kept, null clears it")
+@patch("/{prefix:str}", summary="Edit a key's limits (a limit left out is kept, null clears "
+       "it) and its service class")
 async def keys_edit(request: AdminRequest, prefix: FromPath[str],
                     data: JSONBody[KeyEditBody]) -> KeyView:
     runtime = runtime_of(request)
-    info = await change_limits(runtime, prefix, data.limits.changes(),
-                               actor=request.user.username, address=client_address(request),
-                               via=_via(request))
+    who = {"actor": request.user.username, "address": client_address(request),
+           "via": _via(request)}
+    service_class = None if isinstance(data.service_class, UnsetType) else data.service_class
+    if service_class is not None:  # checked first: a class the box lacks changes nothing
+        check_class(service_class, class_names(runtime))
+    changes = data.limits.changes()
+    if service_class is not None and not changes:
+        info = await change_class(runtime, prefix, service_class, **who)
+    else:
+        info = await change_limits(runtime, prefix, changes, **who)
+        if service_class is not None:
+            info = await change_class(runtime, prefix, service_class, **who)
     return KeyView.of(info, runtime.clock.now())
 
 

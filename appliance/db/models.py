@@ -22,6 +22,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -332,6 +333,9 @@ class GatewayKey(Base):
     requests_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
     tokens_per_day: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     max_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    service_class: Mapped[str] = mapped_column(String(32), nullable=False,
+                                               default="interactive",
+                                               server_default="interactive")
 
 
 class UsageRequest(Base):
@@ -359,6 +363,11 @@ class UsageRequest(Base):
     ttft_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     duration_ms: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
     history: Mapped[str] = mapped_column(String(16), nullable=False, default="")
+    # the key's service class and what the request got of its promise (appliance.gateway.slo)
+    service_class: Mapped[str] = mapped_column(String(32), nullable=False, default="",
+                                               server_default=text("''"))
+    slo: Mapped[str] = mapped_column(String(16), nullable=False, default="",
+                                     server_default=text("''"))
 
 
 class _UsageRollup:

@@ -4,8 +4,10 @@ A key looks like `sk-<prefix>-<secret>`: the 8-hex-character prefix is stored in
 people can tell keys apart; the whole key only as an HMAC under the server secret
 (`appliance.secrets.keyed_hash`). The key itself is shown once, when created. Each key can
 carry limits: concurrent requests, requests per minute, tokens per day and a cap on a request's
-`max_tokens`. Both planes use this module: the control plane to create, list, edit and revoke
-keys; the gateway to load its in-memory cache (`load_entries`) and to record last use.
+`max_tokens`. Each key belongs to a service class (`appliance.gateway.classes`;
+`interactive` unless set). Both planes use this module: the control plane to create, list,
+edit and revoke keys; the gateway to load its in-memory cache (`load_entries`) and to record
+last use.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import datetime as dt
 import hmac
 import re
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sqlalchemy import func, select
@@ -21,6 +24,7 @@ from sqlalchemy.orm import Session
 
 from appliance.db.models import GatewayKey
 from appliance.errors import ApplianceError
+from appliance.gateway.classes import INTERACTIVE
 from appliance.secrets import keyed_hash
 from appliance.sizes import when_text
 
@@ -68,6 +72,7 @@ class KeyInfo:
     revoked_at: dt.datetime | None
     revoked_by: str
     limits: KeyLimits
+    service_class: str = "interactive"
 
     def status(self, now: dt.datetime) -> str:
         """"active", "expired" or "revoked"."""
@@ -89,6 +94,7 @@ class KeyEntry:
     expires_at: dt.datetime | None
     revoked: bool
     limits: KeyLimits
+    service_class: str = "interactive"
 
     def accepts(self, secret: bytes, key: str, now: dt.datetime) -> bool:
         """The presented key is this one, and it is neither revoked nor expired at `now`."""
@@ -111,7 +117,7 @@ def _limits(row: GatewayKey) -> KeyLimits:
 def _info(row: GatewayKey) -> KeyInfo:
     return KeyInfo(row.id, row.name, row.owner, row.prefix, row.created_at, row.created_by,
                    row.last_used_at, row.expires_at, row.revoked_at, row.revoked_by,
-                   _limits(row))
+                   _limits(row), row.service_class)
 
 
 def _check_limits(limits: KeyLimits) -> None:
@@ -122,10 +128,22 @@ def _check_limits(limits: KeyLimits) -> None:
                              "empty for none", status=422)
 
 
+def check_class(name: str, known: Iterable[str]) -> None:
+    """Refuse a class the configuration does not define (the key would be served as
+    interactive without anyone having asked for it)."""
+    known = sorted(known)
+    if name not in known:
+        raise ApplianceError("key_class_unknown", f"there is no service class {name!r}",
+                             f"use one of {', '.join(known)}, or define it under "
+                             "[gateway.classes] (docs/configuration.md)", status=422)
+
+
 def create_key(session: Session, secret: bytes, *, name: str, owner: str, by: str,
                now: dt.datetime, expires_at: dt.datetime | None = None,
-               limits: KeyLimits | None = None) -> tuple[str, KeyInfo]:
-    """Create a key; returns (the key, shown once; its record)."""
+               limits: KeyLimits | None = None,
+               service_class: str = INTERACTIVE) -> tuple[str, KeyInfo]:
+    """Create a key; returns (the key, shown once; its record). The caller checks the class
+    against the configuration (`check_class`)."""
     limits = limits or KeyLimits()
     name, owner = name.strip(), owner.strip()
     if not NAME_RE.match(name):
@@ -148,7 +166,8 @@ def create_key(session: Session, secret: bytes, *, name: str, owner: str, by: st
         name=name, owner=owner, prefix=prefix, key_hash=keyed_hash(secret, key),
         created_at=now, created_by=by, changed_at=now, expires_at=expires_at, revoked_by="",
         max_concurrency=limits.max_concurrency, requests_per_minute=limits.requests_per_minute,
-        tokens_per_day=limits.tokens_per_day, max_tokens=limits.max_tokens)
+        tokens_per_day=limits.tokens_per_day, max_tokens=limits.max_tokens,
+        service_class=service_class)
     session.add(row)
     session.flush()
     return key, _info(row)
@@ -191,6 +210,15 @@ def update_limits(session: Session, prefix: str, limits: KeyLimits, *,
     return _info(row)
 
 
+def update_class(session: Session, prefix: str, service_class: str, *,
+                 now: dt.datetime) -> KeyInfo:
+    """Move a key to another class (checked by the caller); the gateway applies it within its
+    key poll, to requests that arrive after."""
+    row = _row(session, prefix)
+    row.service_class, row.changed_at = service_class, now
+    return _info(row)
+
+
 def keys_version(session: Session) -> tuple[int, dt.datetime | None]:
     """Cheap fingerprint of the key table (count, newest change): the gateway reloads its
     cache only when this moves."""
@@ -201,7 +229,7 @@ def keys_version(session: Session) -> tuple[int, dt.datetime | None]:
 
 def load_entries(session: Session) -> list[KeyEntry]:
     return [KeyEntry(row.id, row.name, row.prefix, row.key_hash, row.expires_at,
-                     row.revoked_at is not None, _limits(row))
+                     row.revoked_at is not None, _limits(row), row.service_class)
             for row in session.scalars(select(GatewayKey))]
 
 

@@ -1,10 +1,12 @@
 """`appliance keys …`: the gateway's API keys from the box's shell, straight on the database
 (no daemon needed), like `appliance token`.
 
-    appliance keys create --name N [--owner O] [--expires 2027-01-31|30d] [--max-concurrency N]
+    appliance keys create --name N [--owner O] [--expires 2027-01-31|30d] [--class C]
+                          [--max-concurrency N]
                           [--rpm N] [--tokens-per-day N] [--max-tokens N] [--json]
     appliance keys list [--json]
     appliance keys revoke PREFIX [--json]
+    appliance keys class PREFIX CLASS
     appliance keys limits PREFIX [--max-concurrency N|none] [--rpm N|none]
                           [--tokens-per-day N|none] [--max-tokens N|none] [--json]
 
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from appliance.api.keys import KeyView
+    from appliance.db.database import Database
     from appliance.gateway.keys import KeyLimits
 
 # (flag, field of KeyLimits, what the flag means)
@@ -68,6 +71,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     for flag, field, meaning in LIMIT_FLAGS:
         create.add_argument(flag, dest=field, type=_limit, default=None,
                             help=f"{meaning} (default: no limit)")
+    create.add_argument("--class", dest="service_class", default="interactive",
+                        help="the key's service class (default interactive; see "
+                             "[gateway.classes] in docs/configuration.md)")
     create.add_argument("--json", action="store_true", help="the key and its record as JSON")
 
     listing = cmds.add_parser("list", parents=[common], help="the keys, newest first")
@@ -85,6 +91,13 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         limits.add_argument(flag, dest=field, type=_limit, default=argparse.SUPPRESS,
                             metavar="N|none", help=meaning)
     limits.add_argument("--json", action="store_true")
+
+    klass = cmds.add_parser("class", parents=[common],
+                            help="move a key to another service class")
+    klass.add_argument("prefix", help="the key's 8-character prefix (see `keys list`)")
+    klass.add_argument("service_class", metavar="CLASS", help="interactive, batch, or a class "
+                       "of [gateway.classes]")
+    klass.add_argument("--json", action="store_true")
 
 
 def _dump(value: Any) -> str:
@@ -104,21 +117,21 @@ def _when(at: dt.datetime | None, never: str = "never") -> str:
 
 
 def _table(views: list[KeyView]) -> str:
-    rows = [("PREFIX", "NAME", "OWNER", "STATUS", "EXPIRES", "LAST USED", "LIMITS")]
-    rows += [(v.prefix, v.name, v.owner or "-", v.status, _when(v.expires_at),
-              _when(v.last_used_at), _limits_text(v.limits)) for v in views]
+    rows = [("PREFIX", "NAME", "OWNER", "STATUS", "CLASS", "EXPIRES", "LAST USED", "LIMITS")]
+    rows += [(v.prefix, v.name, v.owner or "-", v.status, v.service_class,
+              _when(v.expires_at), _when(v.last_used_at), _limits_text(v.limits))
+             for v in views]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False))
                      + "  " + row[-1] for row in rows)
 
 
-def run(args: argparse.Namespace, config: Config) -> int:
-    """Run one `keys` subcommand; refused input is re-raised with exit status 65."""
-    from appliance.cli import _database, _operator
-
-    db = _database(config)
+def run(args: argparse.Namespace, config: Config, db: Database, actor: str) -> int:
+    """Run one `keys` subcommand on `db` (opened and checked by `appliance.cli`, which owns
+    it: this module never imports the CLI back) as `actor`; refused input is re-raised with
+    exit status 65. `db` is disposed here."""
     try:
-        return _run(args, config, db, _operator())
+        return _run(args, config, db, actor)
     except ApplianceError as exc:
         if exc.status >= 500:
             raise
@@ -131,17 +144,20 @@ def run(args: argparse.Namespace, config: Config) -> int:
 def _run(args: argparse.Namespace, config: Config, db: Any, actor: str) -> int:
     from appliance.api.keys import (
         KeyView,
+        class_audited,
         create_audited,
         created_view,
         limits_audited,
         parse_expiry,
         revoke_audited,
     )
+    from appliance.gateway.classes import effective
     from appliance.gateway.keys import KeyLimits, list_keys
     from appliance.secrets import server_secret
 
     now = dt.datetime.now(dt.UTC)
     command = args.keys_command
+    classes = list(effective(config.gateway.classes))
     if command == "list":
         views = [KeyView.of(info, now) for info in db.call(list_keys)]
         print(_dump(views) if args.json else (_table(views) if views else "no keys yet"))
@@ -167,6 +183,13 @@ def _run(args: argparse.Namespace, config: Config, db: Any, actor: str) -> int:
         print(_dump(view) if args.json else
               f"appliance: key {view.prefix} ({view.name}): {_limits_text(view.limits)}")
         return 0
+    if command == "class":
+        info = db.call(lambda s: class_audited(s, args.prefix, args.service_class, classes,
+                                               now=now, actor=actor, address="", via="cli"))
+        view = KeyView.of(info, now)
+        print(_dump(view) if args.json else
+              f"appliance: key {view.prefix} ({view.name}) is now {view.service_class}")
+        return 0
     # create
     expires = parse_expiry(args.expires, now)
     limits = KeyLimits(**{field: getattr(args, field) for _, field, _ in LIMIT_FLAGS})
@@ -175,12 +198,14 @@ def _run(args: argparse.Namespace, config: Config, db: Any, actor: str) -> int:
     def create(s: Session) -> tuple[str, Any]:
         return create_audited(s, secret, name=args.name, owner=args.owner,
                               expires_at=expires, limits=limits, now=now, actor=actor,
-                              address="", via="cli")
+                              address="", via="cli", service_class=args.service_class,
+                              classes=classes)
 
     key, info = db.call(create)
     print(_dump(created_view(key, info, now)) if args.json else key)
     print(f"appliance: key {info.prefix} ({info.name}) created; expires "
-          f"{_when(info.expires_at)}; {_limits_text(info.limits)}. It is shown only now: "
+          f"{_when(info.expires_at)}; {info.service_class}; {_limits_text(info.limits)}. It is "
+          "shown only now: "
           "store it safely.", file=sys.stderr)
     return 0
 

@@ -1,5 +1,6 @@
 """The API keys page: the gateway keys of the box's users, with their status, last use, expiry
-and limits; creating a key (shown once), editing its limits inline, revoking it.
+and limits and service class; creating a key (shown once), editing its limits and class
+inline, revoking it.
 
 The create form sits outside the key table, so what is typed survives a refusal; creating
 answers with the outcome next to the form (the new key in a read-only field, selected for
@@ -23,7 +24,9 @@ from litestar.response import Redirect, Template
 
 from appliance.api.keys import (
     KeyView,
+    change_class,
     change_limits,
+    class_names,
     issue_key,
     key_views,
     parse_expiry,
@@ -31,7 +34,8 @@ from appliance.api.keys import (
 )
 from appliance.auth.middleware import client_address
 from appliance.errors import ApplianceError
-from appliance.gateway.keys import LIMIT_MAX, KeyLimits, get_key
+from appliance.gateway.classes import INTERACTIVE, effective
+from appliance.gateway.keys import LIMIT_MAX, KeyLimits, check_class, get_key
 from appliance.runtime import runtime_of
 from appliance.ui.login import AdminRequest
 from appliance.ui.pages import GUARDED
@@ -51,11 +55,15 @@ class LimitsForm:
     requests_per_minute: str = ""
     tokens_per_day: str = ""
     max_tokens: str = ""
+    service_class: str = INTERACTIVE
 
     @classmethod
-    def of(cls, limits: KeyLimits) -> LimitsForm:
-        return cls(*("" if getattr(limits, name) is None else str(getattr(limits, name))
-                     for name, _, _ in LIMITS))
+    def of(cls, limits: KeyLimits, service_class: str = INTERACTIVE) -> LimitsForm:
+        typed = ["" if getattr(limits, name) is None else str(getattr(limits, name))
+                 for name, _, _ in LIMITS]
+        form = cls(*typed)
+        form.service_class = service_class
+        return form
 
     def limits(self) -> KeyLimits:
         """The limits typed: empty is no limit; anything but a whole number is refused,
@@ -106,7 +114,9 @@ def _htmx(request: AdminRequest) -> bool:
 
 def _context(request: AdminRequest, keys: list[KeyView], **extra: Any) -> dict[str, Any]:
     runtime = runtime_of(request)
+    classes = effective(runtime.config.gateway.classes)
     return {"keys": keys, "limit_texts": limit_texts, "limit_fields": LIMITS,
+            "classes": [(name, c.words()) for name, c in classes.items()],
             "gateway_port": runtime.config.gateway.port, "nav": "keys", "editing": "",
             "edit_form": None, "edit_error": None, "form": KeyForm(), "r": None,
             "oob": False, **extra}
@@ -137,7 +147,8 @@ async def keys_create_ui(request: AdminRequest, data: URLEncodedBody[KeyForm]) -
         key, info = await issue_key(
             runtime, name=data.name.strip(), owner=data.owner.strip(),
             expires_at=parse_expiry(data.expires, now), limits=data.limits(),
-            actor=request.user.username, address=client_address(request), via="console")
+            actor=request.user.username, address=client_address(request), via="console",
+            service_class=data.service_class)
         outcome = Outcome(key=key, view=KeyView.of(info, now))
     except ApplianceError as exc:
         outcome = Outcome(error=exc.message, hint=exc.hint, status=exc.status)
@@ -178,7 +189,7 @@ async def keys_row_ui(request: AdminRequest, prefix: FromPath[str]) -> Template:
 async def keys_limits_form(request: AdminRequest, prefix: FromPath[str]) -> Template:
     """The row of one key as a form to edit its limits."""
     key = await _row(request, prefix)
-    form = LimitsForm.of(key.limits)
+    form = LimitsForm.of(key.limits, key.service_class)
     if not _htmx(request):
         return await _page(request, editing=prefix, edit_form=form)
     return Template("partials/keys_row_edit.html",
@@ -191,9 +202,13 @@ async def keys_limits_ui(request: AdminRequest, prefix: FromPath[str],
     runtime = runtime_of(request)
     try:
         limits = data.limits()
+        check_class(data.service_class, class_names(runtime))  # before anything changes
         changes = {f.name: getattr(limits, f.name) for f in fields(limits)}
-        await change_limits(runtime, prefix, changes, actor=request.user.username,
-                            address=client_address(request), via="console")
+        who = {"actor": request.user.username, "address": client_address(request),
+               "via": "console"}
+        info = await change_limits(runtime, prefix, changes, **who)
+        if info.service_class != data.service_class:
+            await change_class(runtime, prefix, data.service_class, **who)
     except ApplianceError as exc:
         if exc.status == 404:
             raise
