@@ -155,9 +155,9 @@ def stop_outcome(code: int | None) -> str:
     if code == 0:
         return "; the engine drained and exited cleanly"
     if code in (143, -15):
-        return ("; the engine ended on SIGTERM at once without a drain (status 143: it had "
-                "never received a request, so SGLang had not installed its drain); nothing "
-                "was in flight")
+        return ("; the engine ended on SIGTERM at once, without a drain: it had never "
+                "received a request, so SGLang had not installed its drain, and nothing was "
+                "in flight")
     if code in (137, -9):
         return (f"; the engine did not exit within engine.kill_after_seconds and was killed "
                 f"(status {code})")
