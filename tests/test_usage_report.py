@@ -263,7 +263,7 @@ def test_request_csv_escapes_commas_quotes_and_newlines() -> None:
         "key_prefix": "aaaa1111", "model": "kimi-k3", "endpoint": "chat", "stream": "true",
         "status": "200", "outcome": "ok", "prompt_tokens": "1200", "completion_tokens": "80",
         "cached_tokens": "1024", "queue_ms": "1.5", "ttft_ms": "350.0",
-        "duration_ms": "2500.0", "history": "appended"}
+        "duration_ms": "2500.0", "history": "appended", "service_class": "", "slo": ""}
     assert table[2][3] == "line\nbreak"
     refused = dict(zip(REQUEST_COLUMNS, table[3], strict=True))
     assert (refused["key_name"], refused["key_prefix"], refused["ttft_ms"],

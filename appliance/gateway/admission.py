@@ -20,6 +20,12 @@ is taken off the free figure until the next reading. A request always starts whe
 else is admitted, so a large prompt waits for room but never forever (only up to its queue
 timeout).
 
+Service classes (appliance.gateway.classes) add two things, both off by default: a `group`
+(the class's name) may hold at most its `share` of the limit at once (a waiter held back by
+its share does not hold back the waiters of other groups), and a waiter of a higher
+`priority` is granted before those of lower ones (round-robin over keys within a priority;
+an arrival takes the fast path only when no waiter of its priority or above waits).
+
 Runs on the event loop; no locks, because nothing here awaits between reading and writing
 the counters.
 """
@@ -27,6 +33,7 @@ the counters.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -56,6 +63,9 @@ class _Waiter:
     future: asyncio.Future[None]
     tokens: int = 0
     queued: bool = field(default=True)
+    group: str = ""
+    share: float = 1.0
+    priority: int = 0
 
 
 class Admission:
@@ -67,6 +77,7 @@ class Admission:
         self._queues: dict[int, deque[_Waiter]] = {}
         self._ring: deque[int] = deque()  # keys with waiters, in round-robin order
         self.kv_free: int | None = None  # free KV tokens less prompts admitted since read
+        self.group_use: dict[str, int] = {}  # weight admitted per group (service class)
 
     def set_limit(self, limit: int) -> None:
         """A new limit (the engine's capacity changed); a raise admits waiters at once."""
@@ -90,33 +101,50 @@ class Admission:
             return None
         return self.kv_free // (self.in_use + 1)
 
-    def _fits(self, weight: int, tokens: int) -> bool:
-        if self.in_use + weight > self.limit:
-            return False
-        share = self.kv_share()
-        return share is None or self.in_use == 0 or tokens <= share
+    def group_slots(self, share: float) -> int:
+        """The slots a group with this share of the limit may hold at once (at least 1)."""
+        return max(1, math.floor(share * self.limit + 1e-9))
 
-    def _take(self, weight: int, tokens: int) -> None:
+    def _over_share(self, weight: int, group: str, share: float) -> bool:
+        return share < 1 and self.group_use.get(group, 0) + weight > self.group_slots(share)
+
+    def waiting_at_or_above(self, priority: int) -> int:
+        """The weight of the waiters that go before a new arrival of this priority."""
+        return sum(w.weight for queue in self._queues.values() for w in queue
+                   if w.priority >= priority)
+
+    def _fits(self, weight: int, tokens: int, group: str = "", share: float = 1.0) -> bool:
+        if self.in_use + weight > self.limit or self._over_share(weight, group, share):
+            return False
+        kv = self.kv_share()
+        return kv is None or self.in_use == 0 or tokens <= kv
+
+    def _take(self, weight: int, tokens: int, group: str = "") -> None:
         self.in_use += weight
+        self.group_use[group] = self.group_use.get(group, 0) + weight
         if self.kv_free is not None:
             self.kv_free = max(0, self.kv_free - tokens)
 
-    def try_acquire(self, weight: int = 1, tokens: int = 0) -> bool:
-        """Admit at once if a slot is free, the prompt fits its KV share and nobody is
-        waiting (the fast path)."""
-        if not self.waiting and self._fits(weight, tokens):
-            self._take(weight, tokens)
+    def try_acquire(self, weight: int = 1, tokens: int = 0, group: str = "",
+                    share: float = 1.0, priority: int = 0) -> bool:
+        """Admit at once if a slot is free, the prompt fits its KV share and nobody of this
+        priority or above is waiting (the fast path)."""
+        ahead = self.waiting and self.waiting_at_or_above(priority)
+        if not ahead and self._fits(weight, tokens, group, share):
+            self._take(weight, tokens, group)
             return True
         return False
 
-    async def acquire(self, key: int, weight: int, timeout: float, tokens: int = 0) -> None:
+    async def acquire(self, key: int, weight: int, timeout: float, tokens: int = 0,
+                      group: str = "", share: float = 1.0, priority: int = 0) -> None:
         """Wait for a slot; raises QueueFull, QueueTimeout, or CancelledError (nothing held)."""
-        if self.try_acquire(weight, tokens):
+        if self.try_acquire(weight, tokens, group, share, priority):
             return
         if self.waiting >= self.queue_max:
             raise QueueFull
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(key, min(weight, self.limit), loop.create_future(), tokens)
+        waiter = _Waiter(key, min(weight, self.limit), loop.create_future(), tokens,
+                         group=group, share=share, priority=priority)
         queue = self._queues.get(key)
         if queue is None:
             queue = self._queues[key] = deque()
@@ -131,15 +159,17 @@ class Admission:
                 self._remove(waiter)
             elif waiter.future.done() and not waiter.future.cancelled() \
                     and waiter.future.exception() is None:
-                self.release(waiter.weight)  # granted as we were cancelled: hand it back
+                self.release(waiter.weight, group)  # granted as we were cancelled: hand it back
             raise
         finally:
             timer.cancel()
         if waiter.weight != weight:  # a request heavier than the whole limit runs alone
             self.in_use += weight - waiter.weight
+            self.group_use[group] = self.group_use.get(group, 0) + weight - waiter.weight
 
-    def release(self, weight: int = 1) -> None:
+    def release(self, weight: int = 1, group: str = "") -> None:
         self.in_use = max(0, self.in_use - weight)
+        self.group_use[group] = max(0, self.group_use.get(group, 0) - weight)
         self._grant()
 
     def _expire(self, waiter: _Waiter) -> None:
@@ -157,18 +187,30 @@ class Admission:
             self._ring.remove(waiter.key)
         self._grant()  # a heavy head that left may unblock lighter requests behind it
 
+    def _next(self) -> _Waiter | None:
+        """The head to grant next: of the keys' heads not held back by their group's share,
+        the first in round-robin order of the highest priority."""
+        best: _Waiter | None = None
+        for key in self._ring:
+            head = self._queues[key][0]
+            if self._over_share(head.weight, head.group, head.share):
+                continue
+            if best is None or head.priority > best.priority:
+                best = head
+        return best
+
     def _grant(self) -> None:
         while self._ring:
-            key = self._ring[0]
-            queue = self._queues[key]
-            head = queue[0]
-            if not self._fits(head.weight, head.tokens):
+            head = self._next()
+            if head is None or not self._fits(head.weight, head.tokens, head.group, head.share):
                 return
+            key = head.key
+            queue = self._queues[key]
             queue.popleft()
             head.queued = False
             self.waiting -= 1
-            self._take(head.weight, head.tokens)
-            self._ring.popleft()
+            self._take(head.weight, head.tokens, head.group)
+            self._ring.remove(key)
             if queue:
                 self._ring.append(key)  # back of the line: the next key goes first
             else:

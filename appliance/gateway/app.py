@@ -31,6 +31,8 @@ import msgspec
 
 from appliance.gateway import validate
 from appliance.gateway.admission import QueueFull, QueueTimeout, estimate_prompt_tokens
+from appliance.gateway.class_gate import ClassGate
+from appliance.gateway.classes import effective
 from appliance.gateway.errors import GatewayError, stream_cut
 from appliance.gateway.keycache import presented_key
 from appliance.gateway.keys import KeyEntry
@@ -69,6 +71,8 @@ class Exchange:
     meter: StreamMeter | None = None  # a stream's, kept here so a cut-short one still counts
     response_started: bool = False
     response_done: bool = False
+    service_class: str = ""  # the key's class, once routed to admission
+    admitted: float | None = None  # perf_counter when it took its slot
 
 
 class GatewayApp:
@@ -80,6 +84,8 @@ class GatewayApp:
         self.inflight: dict[int, int] = {}
         self.recent_seconds = 1.0  # moving mean of request durations, for Retry-After
         self.recent_durations: deque[float] = deque(maxlen=RECENT_DURATIONS)
+        self.classes = ClassGate(parts.admission, effective(parts.config.gateway.classes),
+                                 self.queue_wait, parts.metrics)
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -306,15 +312,20 @@ class GatewayApp:
         parts = self.parts
         weight = parsed.n
         tokens = estimate_prompt_tokens(parsed.body)
-        if parsed.endpoint.generates and not parts.admission.try_acquire(weight, tokens):
+        cls = self.classes.of(key.service_class)
+        ex.service_class = cls.name
+        if parsed.endpoint.generates and not self.classes.try_acquire(cls, weight, tokens):
+            self.classes.refuse_early(cls, tokens)  # a 429 now, where a wait would miss the SLO
             waited = time.perf_counter()
             try:
-                await parts.admission.acquire(key.id, weight, self.queue_wait, tokens)
+                await self.classes.acquire(cls, key.id, weight, tokens)
             except (QueueFull, QueueTimeout) as exc:
-                raise self._busy(full=isinstance(exc, QueueFull)) from None
+                raise self._busy(full=isinstance(exc, QueueFull),
+                                 waited=cls.wait_allowance(self.queue_wait)) from None
             finally:
                 ex.queue_ms = (time.perf_counter() - waited) * 1000
                 parts.metrics.queue_wait.observe(ex.queue_ms / 1000)
+        ex.admitted = time.perf_counter()
         try:
             refusal = parts.gate.refusal()  # the engine may have begun to stop meanwhile
             if refusal is not None:
@@ -322,9 +333,9 @@ class GatewayApp:
             await self._forward(ex, parsed, headers, send)
         finally:
             if parsed.endpoint.generates:
-                parts.admission.release(weight)
+                self.classes.release(cls, weight)
 
-    def _busy(self, *, full: bool) -> GatewayError:
+    def _busy(self, *, full: bool, waited: float) -> GatewayError:
         admission = self.parts.admission
         retry = retry_after(admission.waiting + 1, admission.limit, self.parts.qualified,
                             self.recent_durations, self.recent_seconds)
@@ -335,7 +346,7 @@ class GatewayApp:
                                 f"{admission.waiting} waiting, the queue is full); retry later",
                                 retry_after=retry)
         return GatewayError(429, "queue_timeout",
-                            f"waited {self.queue_wait:.0f} s for a free slot ({who} is "
+                            f"waited {waited:.0f} s for a free slot ({who} is "
                             f"busy: {admission.in_use} running); retry later", retry_after=retry)
 
     async def _forward(self, ex: Exchange, parsed: Parsed, headers: dict[bytes, bytes],
@@ -420,6 +431,7 @@ class GatewayApp:
         metrics.duration.labels(endpoint).observe(duration)
         parsed, key = ex.parsed, ex.key
         history = ""
+        slo = self._judge(ex, ended, duration)
         if ex.outcome == "ok":
             self.recent_seconds += (duration - self.recent_seconds) * 0.05
             if parsed is not None and parsed.endpoint.generates:
@@ -442,7 +454,26 @@ class GatewayApp:
             started_at=ex.started_at,
             ended_at=ex.started_at + dt.timedelta(seconds=duration), queue_ms=round(ex.queue_ms, 3),
             ttft_ms=None if ex.ttft is None else round(ex.ttft * 1000, 3),
-            duration_ms=round(duration * 1000, 3), history=history))
+            duration_ms=round(duration * 1000, 3), history=history,
+            service_class=ex.service_class, slo=slo))
+
+    def _judge(self, ex: Exchange, ended: float, duration: float) -> str:
+        """Feed the class gate's measures with an answered request and count what it got of
+        its class's promise. A stream is judged by its first token and its decode speed; a
+        non-streamed answer (its first token unseen) by its wait for a slot."""
+        generated = ex.parsed is not None and ex.parsed.endpoint.generates
+        streamed = ex.meter is not None and ex.ttft is not None
+        first = ex.started + ex.ttft if ex.ttft is not None else None
+        if ex.outcome == "ok" and generated and ex.admitted is not None:
+            self.classes.served(held_seconds=ended - ex.admitted,
+                                prompt_tokens=ex.usage.prompt_tokens,
+                                engine_ttft_seconds=first - ex.admitted
+                                if streamed and first is not None else None)
+        return self.classes.result(
+            ex.service_class, ex.outcome, judged=generated,
+            ttft_seconds=ex.ttft if streamed else ex.queue_ms / 1000,
+            completion_tokens=ex.usage.completion_tokens,
+            decode_seconds=ended - first if streamed and first is not None else None)
 
     async def _error(self, send: Send, err: GatewayError, anthropic: bool) -> None:
         await _respond(send, err.status, err.body(anthropic), headers=err.headers())

@@ -30,6 +30,8 @@ CAUSES: Mapping[str, str] = {
     "too_many_failed_keys": "refused: the address had sent too many wrong API keys",
     "queue_full": "refused: the gateway's queue was full",
     "queue_timeout": "waited too long in the gateway's queue",
+    "slo_ttft_predicted_miss": "refused at once: the first token would have come later than "
+                               "the key's class promises",
     "key_concurrency_limit": "over the key's concurrent-request limit",
     "requests_per_minute_limit": "over the key's requests-per-minute limit",
     "tokens_per_day_limit": "over the key's tokens-per-day limit",

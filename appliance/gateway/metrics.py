@@ -37,5 +37,10 @@ class GatewayMetrics:
                                   "Arrival to the last byte sent", ["endpoint"],
                                   buckets=LATENCY_BUCKETS, registry=registry)
 
+        self.slo = Counter("appliance_gateway_slo_requests", "Requests judged against their "
+                           "service class's promise: met, refused (reason: the code sent), "
+                           "missed_ttft, missed_decode", ["class", "result", "reason"],
+                           registry=registry)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TypeVar
 
-from sqlalchemy import delete, insert, select
+from sqlalchemy import delete, func, insert, select
 from sqlalchemy.orm import Session
 
 from appliance.db.models import UsageDaily, UsageHourly, UsageRequest
@@ -42,6 +42,8 @@ class UsageRecord:
     ttft_ms: float | None
     duration_ms: float
     history: str = ""
+    service_class: str = ""  # the key's class when it was served ("" before routing)
+    slo: str = ""  # what it got of the class's promise: appliance.gateway.slo.RESULTS, or ""
 
     @property
     def error(self) -> bool:
@@ -113,6 +115,50 @@ def tokens_today(session: Session, now: dt.datetime) -> dict[int, int]:
     return totals
 
 
+@dataclass(frozen=True)
+class ClassCount:
+    """One service class's requests in a range by what they got of its promise; `refusals`:
+    (error code, count) of the ones refused, most first."""
+
+    name: str
+    met: int = 0
+    refused: int = 0
+    missed_ttft: int = 0
+    missed_decode: int = 0
+    refusals: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def judged(self) -> int:
+        return self.met + self.refused + self.missed_ttft + self.missed_decode
+
+    @property
+    def attainment(self) -> float | None:
+        """The share of its requests that got the promise (None: no request)."""
+        return self.met / self.judged if self.judged else None
+
+
+def class_counts(session: Session, start: dt.datetime, end: dt.datetime) -> list[ClassCount]:
+    """Per service class, the requests that started in [start, end) by what they got of
+    its promise. From the per-request rows, so it covers gateway.usage_retention_days."""
+    rows = session.execute(
+        select(UsageRequest.service_class, UsageRequest.slo, UsageRequest.outcome,
+               func.count(UsageRequest.id))
+        .where(UsageRequest.started_at >= start, UsageRequest.started_at < end,
+               UsageRequest.slo != "")
+        .group_by(UsageRequest.service_class, UsageRequest.slo, UsageRequest.outcome))
+    counts: dict[str, dict[str, int]] = {}
+    refusals: dict[str, dict[str, int]] = {}
+    for name, result, outcome, count in rows:
+        mine = counts.setdefault(name, {})
+        mine[result] = mine.get(result, 0) + int(count)
+        if result == "refused":
+            refusals.setdefault(name, {})[outcome] = int(count)
+    return [ClassCount(name, mine.get("met", 0), mine.get("refused", 0),
+                       mine.get("missed_ttft", 0), mine.get("missed_decode", 0),
+                       tuple(sorted(refusals.get(name, {}).items(), key=lambda i: -i[1])))
+            for name, mine in sorted(counts.items())]
+
+
 def records_between(session: Session, start: dt.datetime, end: dt.datetime,
                     key_id: int | None = None) -> list[UsageRecord]:
     """Per-request records that started in [start, end), oldest first."""
@@ -123,5 +169,6 @@ def records_between(session: Session, start: dt.datetime, end: dt.datetime,
     rows = session.scalars(query.order_by(UsageRequest.started_at, UsageRequest.id))
     return [UsageRecord(r.key_id, r.model, r.endpoint, r.stream, r.status, r.outcome,
                         r.prompt_tokens, r.completion_tokens, r.cached_tokens, r.started_at,
-                        r.ended_at, r.queue_ms, r.ttft_ms, r.duration_ms, r.history)
+                        r.ended_at, r.queue_ms, r.ttft_ms, r.duration_ms, r.history,
+                        r.service_class, r.slo)
             for r in rows]

@@ -27,7 +27,7 @@ from appliance.gateway.usage import UsageRecord
 REQUEST_COLUMNS = ("id", "started_at", "ended_at", "key_name", "key_prefix", "model",
                    "endpoint", "stream", "status", "outcome", "prompt_tokens",
                    "completion_tokens", "cached_tokens", "queue_ms", "ttft_ms", "duration_ms",
-                   "history")
+                   "history", "service_class", "slo")
 ROLLUP_COLUMNS = ("bucket", "key_name", "key_prefix", "model", "requests", "errors",
                   "prompt_tokens", "completion_tokens", "cached_tokens", "duration_ms_sum",
                   "ttft_ms_sum", "ttft_count", "appended", "rewritten")
@@ -79,7 +79,7 @@ def request_lines(rows: Iterable[RequestRow], labels: dict[int, KeyLabel]) -> It
         yield csv_line((row.id, r.started_at, r.ended_at, key.name, key.prefix, r.model,
                         r.endpoint, r.stream, r.status, r.outcome, r.prompt_tokens,
                         r.completion_tokens, r.cached_tokens, r.queue_ms, r.ttft_ms,
-                        r.duration_ms, r.history))
+                        r.duration_ms, r.history, r.service_class, r.slo))
 
 
 def request_csv(rows: Iterable[RequestRow], labels: dict[int, KeyLabel]) -> Iterator[str]:
@@ -125,4 +125,4 @@ def request_page(session: Session, start: dt.datetime, end: dt.datetime,
     return [RequestRow(r.id, UsageRecord(
         r.key_id, r.model, r.endpoint, r.stream, r.status, r.outcome, r.prompt_tokens,
         r.completion_tokens, r.cached_tokens, r.started_at, r.ended_at, r.queue_ms, r.ttft_ms,
-        r.duration_ms, r.history)) for r in rows]
+        r.duration_ms, r.history, r.service_class, r.slo)) for r in rows]

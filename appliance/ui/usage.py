@@ -32,8 +32,9 @@ from appliance.api.usage import (
     span_of,
 )
 from appliance.errors import ApplianceError
-from appliance.gateway.error_causes import error_causes
+from appliance.gateway.error_causes import CAUSES, error_causes
 from appliance.gateway.report import DEFAULT_RANGE, RANGES, key_labels, usage_recorded
+from appliance.gateway.usage import class_counts
 from appliance.runtime import runtime_of
 from appliance.status import admission_standing
 from appliance.ui.login import AdminRequest
@@ -94,6 +95,7 @@ async def usage_page(request: AdminRequest, range_name: RangeQuery = None,
         "millis": millis, "problem": None, "report": None, "chart": "", "links": None,
         "picked": {"range": picked, "from": start_text, "to": end_text, "key": prefix},
         "retention_days": runtime.config.gateway.usage_retention_days, "oob": forced,
+        "classes": [], "cause_words": CAUSES,
     }
     recorded, labels = await runtime.db.run(lambda s: (usage_recorded(s), key_labels(s)))
     context.update(recorded=recorded, keys=sorted(labels.values(),
@@ -108,6 +110,8 @@ async def usage_page(request: AdminRequest, range_name: RangeQuery = None,
         key_id = report.key.id if report.key else None
         causes = await runtime.db.run(
             lambda s: error_causes(s, span.start, span.end, key_id))
+        context["classes"] = await runtime.db.run(
+            lambda s: class_counts(s, span.start, span.end))
         context.update(report=report, causes=causes,
                        links=links(span, report.key.prefix if report.key else ""),
                        chart=Markup(chart_for(report)))  # noqa: S704 - escaped by usage_chart
