@@ -91,9 +91,11 @@ def _admission(runtime: Runtime, engine_limit: int | None = None) -> AdmissionSt
     if point is not None or gateway.max_concurrency or engine_limit is not None:
         return AdmissionStanding(point is not None, decided.words(), spec, until)
     unqualified = (
-        f"unqualified: the running engine (spec {spec[:12]}) has no qualified point"
+        f"unqualified: the running engine (launch configuration {spec[:12]}) has no "
+        "qualified point"
         + (" (its last qualification found none)" if record is not None else "")
-        + ", so the gateway admits up to the engine's slot ceiling (max_running_requests): "
+        + ", so the gateway admits up to the engine's slot ceiling (its running-request "
+        "limit): "
         "what the engine can hold, not what it serves at the floor speed; past that point "
         "requests fail instead of waiting in the gateway's queue")
     if until is not None:

@@ -27,6 +27,7 @@ from appliance.runtime import Runtime
 from tests.browser_rig import Browser, Page, expect, log_in, shot
 from tests.conftest import PASSWORD, LiveServer, add_admin
 from tests.test_health_api import gpus, runtime, seed_hour  # noqa: F401 - fixtures
+from tests.test_qualify_ledger import record_done
 from tests.test_tuning_api import write_k3
 from tests.test_units_of_measure import seed_rows
 
@@ -122,7 +123,20 @@ def in_view(page: Page, label: str) -> list[str]:
     return problems
 
 
-def test_every_page_fits_its_window(tab: Page, server: LiveServer) -> None:
+@pytest.fixture
+def qualified(seeded: Runtime) -> str:
+    """A finished qualification's page: its step table has ten columns."""
+    record = record_done(seeded.db, "f1b31ec6ffdf" + "0" * 52)
+    return f"/qualify/{record.id}"
+
+
+# At 1440 px the step table's last columns (failures, KV and state peaks) were past its box.
+STEPS_FIT = """() => [...document.querySelectorAll('table.qualify-steps')]
+  .filter(t => t.scrollWidth > t.parentElement.clientWidth + 1)
+  .map(t => `${t.scrollWidth} px in ${t.parentElement.clientWidth} px`)"""
+
+
+def test_every_page_fits_its_window(tab: Page, server: LiveServer, qualified: str) -> None:
     width = tab.viewport_size["width"] if tab.viewport_size else 0
     tab.goto("/login")
     login = fits(tab, f"/login at {width} px")
@@ -136,11 +150,13 @@ def test_every_page_fits_its_window(tab: Page, server: LiveServer) -> None:
     icon = tab.evaluate("document.querySelector('link[rel=icon]').href")
     answer = tab.request.get(icon)
     assert answer.status == 200 and answer.headers["content-type"].startswith("image/svg")
-    for path in PAGES:
+    for path in (*PAGES, qualified):
         tab.goto(path)
         expect(tab.locator("main h1").first).to_be_visible()
         tab.wait_for_load_state("networkidle")
         problems += fits(tab, f"{path} at {width} px") + in_view(tab, f"{path} at {width} px")
+        if width >= 1440 and (cut := tab.evaluate(STEPS_FIT)):
+            problems.append(f"{path} at {width} px: the step table is cut: {cut}")
         shot(tab, f"layout-{width}{path.replace('/', '-') or '-dashboard'}")
     assert not problems, "\n".join(problems)
 

@@ -305,7 +305,8 @@ def test_the_dashboard_and_usage_page_say_unqualified_then_the_qualified_point(
         line = re.search(r'<p class="admission notice" id="admission-line"[^>]*>(.*?)</p>', html,
                          re.S)
         assert line, path
-        assert "unqualified: the running engine (spec aaaaaaaaaaaa)" in line.group(1)
+        assert "unqualified: the running engine (launch configuration aaaaaaaaaaaa)" \
+            in line.group(1)
         assert '<a href="/qualify">Qualify the box' in line.group(1)
 
     qualify(db, SPEC, 16)

@@ -75,7 +75,8 @@ def test_another_spec_is_unqualified_until_it_qualifies(config: Config, db: Data
     from appliance.qualify.outcome import standing
 
     assert standing(SPEC_B, None) == (
-        f"unqualified: the running engine (spec {SPEC_B[:12]}) has never been qualified")
+        f"unqualified: the running engine (launch configuration {SPEC_B[:12]}) has never "
+        "been qualified")
     # A failed or cancelled run of the new spec does not qualify it either.
     opened = db.call(lambda s: ledger.open_qualification(
         s, spec_hash=SPEC_B, at=NOW, by="bob", engine_version="", tuning="",

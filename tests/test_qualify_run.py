@@ -69,13 +69,13 @@ def test_qualify_a_short_ladder_through_the_cli_and_the_api(
     status = http.get(f"{API}/").json()
     spec = status["spec_hash"]
     assert spec == live.runtime.supervisor.running_spec_hash and status["qualified"] is None
-    assert status["standing"] == (f"unqualified: the running engine (spec {spec[:12]}) has "
-                                  "never been qualified")
+    assert status["standing"] == (f"unqualified: the running engine (launch configuration "
+                                  f"{spec[:12]}) has never been qualified")
 
     page = http.get("/qualify")
     assert page.status_code == 200 and "Qualification</a>" in page.text
-    assert f"Unqualified: the running engine (spec {spec[:12]}) has never been qualified." \
-        in page.text and "Run a qualification…" in page.text
+    assert (f"Unqualified: the running engine (launch configuration {spec[:12]}) has never "
+            "been qualified.") in page.text and "Run a qualification…" in page.text
     # The console's first press shows what it will do and how long; nothing starts.
     asked = http.post("/qualify/run", data={"floor": "32", "repeats": "1", "ladder": "1,2,4",
                                             "workload": "harsh"}, headers=csrf(console))

@@ -162,6 +162,9 @@ def seed_rows(runtime: Runtime) -> None:
                   detail={"bootstrap_file_removed": True})
         create_key(s, runtime.secret, name="research cluster batch jobs",
                    owner="alice@example.org", by="alice", now=now)
+        # A long name widens the Usage page's key filter (it made the page 453 px wide).
+        create_key(s, runtime.secret, name="Key Alpha for the nightly evaluation of models",
+                   owner="", by="alice", now=now)
 
     runtime.db.call(write)
 

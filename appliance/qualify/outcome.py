@@ -113,8 +113,8 @@ def standing(spec: str | None, current: ledger.Record | None) -> str:
     if spec is None:
         return "no engine is running, so nothing can be qualified"
     if current is None:
-        return (f"unqualified: the running engine (spec {spec[:12]}) has never been "
-                "qualified")
+        return (f"unqualified: the running engine (launch configuration {spec[:12]}) has "
+                "never been qualified")
     return current.verdict
 
 
