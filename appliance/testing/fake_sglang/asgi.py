@@ -66,15 +66,35 @@ async def read_body(receive: Receive) -> bytes:
             return b"".join(chunks)
 
 
+def validation_message(error: dict[str, Any]) -> str:
+    """How SGLang's handler of FastAPI's RequestValidationError words one error (http_server.py:
+    `str(exc)`, then the errors' list when it differs), the source location left out."""
+    return f"1 validation error:\n  {error!r} [{error!r}]"
+
+
 async def read_json(receive: Receive) -> dict[str, Any] | str:
-    """The request body as a JSON object, or why it is not one."""
+    """The request body as a JSON object, or why it is not one (FastAPI's validation words)."""
     try:
         body = json.loads(await read_body(receive) or b"{}")
     except ValueError as exc:
-        return f"JSON decode error: {exc}"
+        return validation_message({"type": "json_invalid", "loc": ("body", 0),
+                                   "msg": "JSON decode error", "input": {},
+                                   "ctx": {"error": str(exc)}})
     if not isinstance(body, dict):
-        return "The request body must be a JSON object"
+        return validation_message({"type": "model_attributes_type", "loc": ("body",),
+                                   "msg": "Input should be a valid dictionary or object to "
+                                          "extract fields from"})
     return body
+
+
+def json_content_error(scope: Scope) -> str | None:
+    """SGLang's `validate_json_request` (the /v1/* generation routes): a body whose media type
+    is not application/json is refused before it is read."""
+    header = dict(scope.get("headers", [])).get(b"content-type", b"").decode("latin-1")
+    if header.split(";", 1)[0].strip().lower() == JSON:
+        return None
+    return validation_message({"loc": ["header", "content-type"], "msg": "Unsupported Media "
+                               "Type: Only 'application/json' is allowed", "type": "value_error"})
 
 
 async def until_disconnect(work: Coroutine[Any, Any, None], receive: Receive) -> bool:

@@ -82,11 +82,12 @@ def chat_response(plan: ChatPlan, cache_report: bool) -> dict[str, Any]:
         message["tool_calls"] = [tool_call(call)]
     finish = script.finish_reason(req)
     return {
-        "id": f"chatcmpl-{req.rid}", "object": "chat.completion", "created": int(time.time()),
+        "id": req.rid, "object": "chat.completion", "created": int(time.time()),
         "model": plan.model,
         "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish,
                      "matched_stop": oai.matched_stop(req) if finish == "stop" else None}],
-        "usage": oai.usage(req, cache_report=cache_report), "metadata": None,
+        "usage": oai.usage(req, cache_report=cache_report),
+        "metadata": oai.weight_metadata(req),
     }
 
 
@@ -99,7 +100,7 @@ class ChatChunks:
 
     def _chunk(self, choices: list[dict[str, Any]],
                usage: dict[str, Any] | None = None, *, pydantic: bool = False) -> str:
-        chunk: dict[str, Any] = {"id": f"chatcmpl-{self.plan.req.rid}",
+        chunk: dict[str, Any] = {"id": self.plan.req.rid,
                                  "object": "chat.completion.chunk", "created": self.created,
                                  "model": self.plan.model, "choices": choices}
         if usage is not None or pydantic:

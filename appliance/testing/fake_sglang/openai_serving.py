@@ -13,6 +13,7 @@ import contextlib
 import json
 import time
 from http import HTTPStatus
+from typing import Any
 
 from appliance.testing.fake_sglang import protocol as oai
 from appliance.testing.fake_sglang.args import ServeArgs
@@ -22,6 +23,7 @@ from appliance.testing.fake_sglang.asgi import (
     Send,
     emit,
     end_stream,
+    json_content_error,
     read_json,
     respond,
     start_stream,
@@ -58,16 +60,26 @@ class OpenAIServing:
             await respond(send, exc.status, abort_body(exc))
             return False
 
+    async def json_body(self, scope: Scope, receive: Receive,
+                        send: Send) -> dict[str, Any] | None:
+        """A /v1/* route's JSON object, or None once its 400 (FastAPI's validation, answered
+        by SGLang's handler: type `Bad Request`) has been sent."""
+        problem = json_content_error(scope)
+        body = await read_json(receive) if problem is None else problem
+        if isinstance(body, str):
+            await respond(send, 400, oai.error_body(body, kind=oai.VALIDATION))
+            return None
+        return body
+
     # -- /v1/chat/completions -------------------------------------------------------------
     async def chat(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await read_json(receive)
-        if isinstance(body, str):
-            await respond(send, 400, oai.error_body(body))
+        body = await self.json_body(scope, receive, send)
+        if body is None:
             return
         try:
             plan = plan_chat(body, self.args, self.cap.context_len, self.core)
         except oai.BadRequest as exc:
-            await respond(send, 400, oai.error_body(exc.message, param=exc.param))
+            await respond(send, 400, oai.error_body(exc.message, kind=exc.kind, param=exc.param))
             return
         plan.req.bootstrap = bootstrap_of(body)
         if plan.params.stream:
@@ -102,15 +114,14 @@ class OpenAIServing:
 
     # -- /v1/completions ------------------------------------------------------------------
     async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await read_json(receive)
-        if isinstance(body, str):
-            await respond(send, 400, oai.error_body(body))
+        body = await self.json_body(scope, receive, send)
+        if body is None:
             return
         try:
             prompt = oai.completion_prompt(body)
             params = oai.sampling(body)
         except oai.BadRequest as exc:
-            await respond(send, 400, oai.error_body(exc.message, param=exc.param))
+            await respond(send, 400, oai.error_body(exc.message, kind=exc.kind, param=exc.param))
             return
         too_long = oai.context_error(prompt, self.cap.context_len)
         if too_long:
@@ -150,14 +161,14 @@ class OpenAIServing:
         """The native API (`text` or `input_ids`, `sampling_params`): what the warmup calls."""
         body = await read_json(receive)
         if isinstance(body, str):
-            await respond(send, 400, oai.error_body(body))
+            await respond(send, 400, oai.error_body(body, kind=oai.VALIDATION))
             return
         started = time.monotonic()
         try:
             prompt = oai.completion_prompt(body, "text" if "text" in body else "input_ids")
             params = oai.sampling(body, native=True)
         except oai.BadRequest as exc:
-            await respond(send, 400, oai.error_body(exc.message, param=exc.param))
+            await respond(send, 400, oai.error_body(exc.message, kind=exc.kind, param=exc.param))
             return
         req = self.core.plan(prompt, params.max_tokens, params.min_tokens, params.ignore_eos)
         req.bootstrap = bootstrap_of(body)

@@ -20,17 +20,31 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from appliance.testing.fake_sglang.asgi import validation_message
 from appliance.testing.fake_sglang.core import Prompt, Request
 
 GENERATION_PROMPT = ("<|im_assistant|>", "<|im_middle|>")
 EOS_TOKEN_ID = 163586
 
 
+# The `type` of a request FastAPI refused before SGLang's handler ran (bad JSON, a missing
+# field, the wrong content type); a handler's own refusal says "BadRequestError".
+VALIDATION = "Bad Request"
+
+
 class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None,
+                 kind: str = "BadRequestError") -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.kind = kind
+
+
+def missing(field: str) -> BadRequest:
+    """A required field absent: pydantic's refusal, before SGLang's handler (no `param`)."""
+    return BadRequest(validation_message({"type": "missing", "loc": ("body", field),
+                                          "msg": "Field required"}), None, VALIDATION)
 
 
 def error_body(message: str, code: int = 400, kind: str = "BadRequestError",
@@ -108,8 +122,10 @@ def block(role: str, text: str) -> list[str]:
 def chat_prompt(body: dict[str, Any]) -> Prompt:
     """The prompt text (what the answer is derived from) and its tokens."""
     messages = body.get("messages")
+    if messages is None:
+        raise missing("messages")
     if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list", "messages")
+        raise BadRequest("Messages cannot be empty.")  # serving_chat.py _validate_request
     parts: list[str] = []
     ids: list[str] = []
     tools = body.get("tools")
@@ -126,6 +142,10 @@ def chat_prompt(body: dict[str, Any]) -> Prompt:
 
 def completion_prompt(body: dict[str, Any], key: str = "prompt") -> Prompt:
     prompt = body.get(key)
+    if prompt is None and key == "prompt":
+        raise missing("prompt")
+    if prompt == "" or prompt == []:
+        raise BadRequest("Prompt cannot be empty")  # serving_completions.py _validate_request
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
@@ -154,17 +174,24 @@ def usage(req: Request, *, cache_report: bool = False) -> dict[str, Any]:
             "completion_tokens_details": {"reasoning_tokens": reasoning} if reasoning else None}
 
 
+def weight_metadata(req: Request) -> dict[str, Any]:
+    """A whole response's `metadata` (utils/weight_versions.py): the weights' version, and
+    which output tokens it produced (here all of them: the emulator never swaps weights)."""
+    return {"weight_version": "default",
+            "weight_versions": [{"version": "default", "start": 0, "end": req.generated}]}
+
+
 def matched_stop(req: Request) -> int | None:
     return EOS_TOKEN_ID if req.finish_reason == "stop" else None
 
 
 def completion_response(req: Request, model: str, cache_report: bool) -> dict[str, Any]:
     return {
-        "id": f"cmpl-{req.rid}", "object": "text_completion", "created": int(time.time()),
+        "id": req.rid, "object": "text_completion", "created": int(time.time()),
         "model": model,
         "choices": [{"index": 0, "text": req.text, "logprobs": None,
                      "finish_reason": req.finish_reason, "matched_stop": matched_stop(req)}],
-        "usage": usage(req, cache_report=cache_report), "metadata": None,
+        "usage": usage(req, cache_report=cache_report), "metadata": weight_metadata(req),
     }
 
 
@@ -175,7 +202,7 @@ def completion_chunk(req: Request, model: str, created: int, *, text: str = "",
     choice = {"index": 0, "text": text, "logprobs": None,
               "finish_reason": req.finish_reason if finish else None,
               "matched_stop": matched_stop(req) if finish else None}
-    return sse({"id": f"cmpl-{req.rid}", "object": "text_completion", "created": created,
+    return sse({"id": req.rid, "object": "text_completion", "created": created,
                 "model": model, "choices": [choice],
                 "usage": usage(req) if continuous_usage else None})
 
@@ -184,7 +211,7 @@ def completion_usage_chunk(req: Request, model: str, created: int, cache_report:
     """The final usage chunk, dumped with exclude_none as SGLang does."""
     body = {key: value for key, value in usage(req, cache_report=cache_report).items()
             if value is not None}
-    return sse({"id": f"cmpl-{req.rid}", "object": "text_completion", "created": created,
+    return sse({"id": req.rid, "object": "text_completion", "created": created,
                 "model": model, "choices": [], "usage": body})
 
 
