@@ -31,7 +31,8 @@ from tests.gateway_rig import LiveGateway, auth, chat_body, start_engine, stop_e
 from tests.test_fake_sglang import Emulator
 
 CLASSES = {"interactive": {"ttft_slo_seconds": 1, "decode_floor_tps": 5},
-           "batch": {"deadline_seconds": 120, "share": 0.5}}
+           "batch": {"deadline_seconds": 120, "share": 0.5},
+           "racing": {"decode_floor_tps": 1000, "share": 0.25}}  # faster than the engine
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +165,23 @@ def test_classes_refuse_early_queue_batch_and_count_per_class(
     header, *lines = csv.splitlines()
     assert header.endswith(",history,service_class,slo")
     assert any(line.endswith(",interactive,refused") for line in lines)
+
+
+def test_a_stream_below_its_class_floor_counts_as_missed_decode(gateway: LiveGateway,
+                                                                db: Database) -> None:
+    racing = class_key(gateway, "racing", "racing")
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", headers=auth(racing),
+                      timeout=60, json=chat_body("go", max_tokens=20, ignore_eos=True,
+                                                 stream=True)) as reply:
+        reply.read()
+        assert reply.status_code == 200, reply.text
+    wait_for(lambda: metric(gateway, "racing", "missed_decode") == 1, "the slow stream judged")
+    assert metric(gateway, "racing", "met") == 0
+
+    from sqlalchemy import select
+
+    from appliance.db.models import UsageRequest
+
+    wait_for(lambda: gateway.parts.recorder.written >= 1, "the usage record", 15)
+    assert db.call(lambda s: [(r.service_class, r.slo) for r in
+                              s.scalars(select(UsageRequest))]) == [("racing", "missed_decode")]
