@@ -78,7 +78,7 @@ def test_an_active_serving_cell_routes_to_its_router_sized_by_its_capacity() -> 
     assert route.admission is not None
     assert (route.admission.limit, route.admission.source) == (96, CELL)
     assert "through the cell's router" in route.admission.words()
-    assert "decode members' max_running_requests" in route.admission.words()
+    assert "decode members' running-request limits" in route.admission.words()
     # the operator's override still wins
     configured = decide(engine(), cell(capacity=96), LOCAL, override=12).admission
     assert configured is not None and (configured.limit, configured.source) == (12, CONFIGURED)

@@ -157,7 +157,7 @@ class AdmissionLimit:
             return f"{refusal_words(self.refusing_until)}; then {after}"
         if self.cell:
             ground = {CONFIGURED: "gateway.max_concurrency",
-                      CELL: "the sum of its ready decode members' max_running_requests"
+                      CELL: "the sum of its ready decode members' running-request limits"
                       }.get(self.source, "a cautious guess: the head has not published the "
                             "cell's capacity yet")
             return f"admitting up to {self.limit} at a time through the cell's router ({ground})"
@@ -168,7 +168,7 @@ class AdmissionLimit:
                     + (f"the running spec is qualified at {self.qualified.point})"
                        if self.qualified else "the running spec is unqualified)"))
         return (f"unqualified: admitting up to {self.limit} at a time, the engine's "
-                "max_running_requests, which says what the engine can hold, not what it can "
+                "running-request limit, which says what the engine can hold, not what it can "
                 "serve at the floor speed; qualify the box to admit at a measured point")
 
     def to_dict(self) -> dict[str, object]:
@@ -192,7 +192,7 @@ def after_new_spec(override: int = 0) -> str:
         return (f"the new configuration is unqualified; the gateway keeps admitting up to "
                 f"{override} at a time (gateway.max_concurrency)")
     return ("the new configuration is unqualified: until it is qualified the gateway admits "
-            "up to the new engine's own slot count (max_running_requests, what it can hold, "
+            "up to the new engine's own slot count (what it can hold, "
             "not a measured point), and no longer at this configuration's qualified point")
 
 
