@@ -2,8 +2,10 @@
 demo instrument (`appliance.testing.fake_sglang`): no model runs here.
 
 At most `max_running_requests` requests run at once; the rest wait in arrival order (they are
-`num_queue_reqs`). A running request produces one token every `token_seconds`
-(`FAKE_SGLANG_FAULT=slow_tokens=S`, default 0.01 s). The text is deterministic: words from a
+`num_queue_reqs`), or by priority then arrival with `--enable-priority-scheduling`, and
+`--max-queued-requests` refuses at the queue's bound (SGLang's rules: `priority.py`). A
+running request produces one token every `token_seconds` (`FAKE_SGLANG_FAULT=slow_tokens=S`,
+default 0.01 s). The text is deterministic: words from a
 fixed list, chosen by a hash of the prompt, so the same prompt always gets the same answer.
 Without `max_tokens` an answer is 8-40 tokens long and ends with "stop"; with it, an answer
 that would run longer is cut at `max_tokens` ("length"); `ignore_eos` makes it exactly
@@ -55,6 +57,7 @@ from appliance.testing.fake_sglang.logwriter import LogWriter
 from appliance.testing.fake_sglang.memory import Capacity
 from appliance.testing.fake_sglang.perfmodel import PerfModel
 from appliance.testing.fake_sglang.prefixcache import PrefixCache
+from appliance.testing.fake_sglang.priority import PriorityPolicy
 from appliance.testing.fake_sglang.scheduler import Scheduler, Seq, Step
 
 if TYPE_CHECKING:
@@ -110,6 +113,16 @@ class Request:
     first_token_at: float | None = None
     admitted: asyncio.Event = field(default_factory=asyncio.Event)
     bootstrap: Bootstrap | None = None  # a cell's request: where its KV comes from (disagg.py)
+    priority: int = 0  # PriorityPolicy.assign's (priority.py)
+    refused: str | None = None  # aborted while waiting (by a higher priority, priority.py)
+
+    @property
+    def key(self) -> str:
+        return self.rid
+
+    @property
+    def queued_at(self) -> float:
+        return self.arrived
 
     @property
     def text(self) -> str:
@@ -167,7 +180,9 @@ class Core:
         self._recent: deque[list[int]] = deque()  # [whole second, tokens in it]
         self._ids = itertools.count()
         self.perf: PerfModel | None = faults.perf
-        self.engine = Scheduler(faults.perf, cap.max_running_requests) if faults.perf else None
+        self.priority = PriorityPolicy.of(args)
+        self.engine = Scheduler(faults.perf, cap.max_running_requests,
+                                policy=self.priority) if faults.perf else None
         self.time_scale = faults.perf.time_scale if faults.perf else 1.0
         self._mailboxes: dict[str, Mailbox] = {}
         self._modelled: dict[str, Request] = {}
@@ -312,7 +327,10 @@ class Core:
     # -- the request's life ---------------------------------------------------------------
     def _admit_waiting(self) -> None:
         while self.waiting and self.num_running < self.cap.max_running_requests:
-            req = self.waiting.popleft()
+            req = self.waiting.popleft() if not self.priority.enabled \
+                else min(self.waiting, key=self.priority.rank)
+            if self.priority.enabled:
+                self.waiting.remove(req)
             self.running[req.rid] = req
             self.peak_running = max(self.peak_running, self.num_running)
             req.admitted.set()
@@ -367,11 +385,13 @@ class Core:
                 async for token in tokens:
                     yield token
             return
-        self.waiting.append(req)
+        self._queue(req)
         self._admit_waiting()
         finished = False
         try:
             await req.admitted.wait()
+            if req.refused is not None:
+                raise EngineAbort(req.refused)
             if self.faults.unhealthy and self.status != "Starting":
                 # wedged after ready (the warmup still passes, as faults.py says): never answers
                 await asyncio.Event().wait()
@@ -400,6 +420,19 @@ class Core:
                 self.waiting.remove(req)
             self._admit_waiting()
 
+    def _queue(self, req: Request) -> None:
+        """Into the waiting queue, unless `--max-queued-requests` refuses it (EngineAbort) or
+        aborts a lower-priority waiting request for it (priority.py)."""
+        verdict = self.priority.on_full_queue(req, self.waiting)
+        if verdict is not None and verdict[0] == req.rid:
+            raise EngineAbort(verdict[1])
+        if verdict is not None:
+            victim = next(r for r in self.waiting if r.rid == verdict[0])
+            self.waiting.remove(victim)
+            victim.refused = verdict[1]
+            victim.admitted.set()
+        self.waiting.append(req)
+
     # -- the performance model ------------------------------------------------------------
     async def _generate_modelled(self, req: Request,
                                  engine: Scheduler) -> AsyncGenerator[str, None]:
@@ -411,8 +444,15 @@ class Core:
         req.cached_tokens = self.prefix_cache.admit(req.prompt_ids)
         self.cached_tokens_total += req.cached_tokens
         self.prefill_tokens_total += req.prompt_tokens - req.cached_tokens
-        engine.add(Seq(key=req.rid, prompt=req.prompt_tokens, target=req.completion_tokens,
-                       arrived=self.clock(), cached=req.cached_tokens), self.clock())
+        refused = engine.add(Seq(key=req.rid, prompt=req.prompt_tokens,
+                                 target=req.completion_tokens, arrived=self.clock(),
+                                 cached=req.cached_tokens, priority=req.priority), self.clock())
+        for key, message in refused.items():
+            if key == req.rid:
+                self._mailboxes.pop(req.rid, None)
+                self._modelled.pop(req.rid, None)
+                raise EngineAbort(message)
+            self._fail(key, message)
         self._sync(engine)
         if self._stepper is None or self._stepper.done():
             self._stepper = asyncio.ensure_future(self._run_steps(engine))

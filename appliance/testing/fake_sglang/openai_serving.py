@@ -28,11 +28,13 @@ from appliance.testing.fake_sglang.asgi import (
     respond,
     start_stream,
     until_disconnect,
+    validation_message,
 )
 from appliance.testing.fake_sglang.chat import ChatChunks, ChatPlan, chat_response, plan_chat
 from appliance.testing.fake_sglang.core import Core, EngineAbort, Request
 from appliance.testing.fake_sglang.disagg import bootstrap_of
 from appliance.testing.fake_sglang.memory import Capacity
+from appliance.testing.fake_sglang.priority import Refused, requested_priority
 
 DONE = "data: [DONE]\n\n"
 
@@ -60,6 +62,22 @@ class OpenAIServing:
             await respond(send, exc.status, abort_body(exc))
             return False
 
+    async def prioritized(self, req: Request, body: dict[str, Any], send: Send) -> bool:
+        """Set the request's `priority` (priority.py); False once its error has been sent (a
+        priority that is no integer, out of range, or refused while disabled)."""
+        try:
+            req.priority = self.core.priority.assign(requested_priority(body))
+        except ValueError:
+            await respond(send, 400, oai.error_body(validation_message({
+                "type": "int_type", "loc": ("body", "priority"),
+                "msg": "Input should be a valid integer"}), kind=oai.VALIDATION))
+            return False
+        except Refused as exc:
+            await respond(send, exc.status, oai.error_body(
+                exc.message, exc.status, HTTPStatus(exc.status).name))
+            return False
+        return True
+
     async def json_body(self, scope: Scope, receive: Receive,
                         send: Send) -> dict[str, Any] | None:
         """A /v1/* route's JSON object, or None once its 400 (FastAPI's validation, answered
@@ -82,6 +100,8 @@ class OpenAIServing:
             await respond(send, 400, oai.error_body(exc.message, kind=exc.kind, param=exc.param))
             return
         plan.req.bootstrap = bootstrap_of(body)
+        if not await self.prioritized(plan.req, body, send):
+            return
         if plan.params.stream:
             await until_disconnect(self.chat_stream(plan, send), receive)
         elif await self.finished(plan.req, receive, send):
@@ -129,6 +149,8 @@ class OpenAIServing:
             return
         req = self.core.plan(prompt, params.max_tokens, params.min_tokens, params.ignore_eos)
         req.bootstrap = bootstrap_of(body)
+        if not await self.prioritized(req, body, send):
+            return
         model = str(body.get("model") or self.args.served_model_name)
         if params.stream:
             await until_disconnect(self.completion_stream(req, model, params, send), receive)
@@ -172,6 +194,8 @@ class OpenAIServing:
             return
         req = self.core.plan(prompt, params.max_tokens, params.min_tokens, params.ignore_eos)
         req.bootstrap = bootstrap_of(body)
+        if not await self.prioritized(req, body, send):
+            return
         if not params.stream:
             if await self.finished(req, receive, send):
                 await respond(send, 200, oai.generate_response(req, started))

@@ -24,6 +24,14 @@ One step, in SGLang's order:
    `retract_decode` sets it; otherwise the ratio decays towards its minimum;
 4. the step lasts `model.step_seconds(decoding, prefilled)`.
 
+With priority scheduling (`policy`, `priority.py`: SGLang's rules, from its flags) step 2 first
+sorts the queue by priority then queue-entry time; when the running count is at `max_running`,
+the head of the queue preempts running requests more than the threshold below it (they free
+their KV and are queued again after this step's admissions, as SGLang re-adds its
+`preempt_list`); step 3 retracts the lowest priority first under `--retraction-policy
+priority`; and `add` applies `--max-queued-requests` (refusing the newcomer or, with priority
+scheduling, aborting a lower-ranked waiting request).
+
 Invariants: `used_tokens <= kv_tokens` after every step; a request is in exactly one of
 waiting and running until it finishes, fails or is cancelled; tokens only ever add up to the
 request's `target`.
@@ -36,6 +44,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from appliance.testing.fake_sglang.perfmodel import PerfModel
+from appliance.testing.fake_sglang.priority import PriorityPolicy
 
 WAITING_TIMEOUT = "Request waiting timeout reached."
 RUNNING_TIMEOUT = "Request running timeout reached."
@@ -59,6 +68,7 @@ class Seq:
     to_prefill: int = 0  # tokens to prefill before it decodes
     queued_at: float = 0.0  # when it last entered the waiting queue
     retractions: int = 0
+    priority: int = 0  # as PriorityPolicy.assign set it (0 without priority scheduling)
 
     @property
     def remaining(self) -> int:
@@ -80,6 +90,7 @@ class Step:
     decoding: int
     new_token_ratio: float
     log: tuple[str, ...] = ()
+    preempted: tuple[str, ...] = ()  # running requests a higher priority took the place of
 
     @property
     def ends(self) -> float:
@@ -98,6 +109,9 @@ class Scheduler:
     failed_total: int = 0
     prefill_tokens_total: int = 0
     steps: int = 0
+    policy: PriorityPolicy = field(default_factory=PriorityPolicy)
+    preempted_total: int = 0
+    _preempted: list[Seq] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.new_token_ratio < 0:
@@ -122,10 +136,19 @@ class Scheduler:
         """Requests in the queue that were running once (SGLang's num_retracted_reqs)."""
         return sum(1 for s in self.waiting if s.retractions)
 
-    def add(self, seq: Seq, now: float) -> None:
+    def add(self, seq: Seq, now: float) -> dict[str, str]:
+        """Queue `seq`; what `--max-queued-requests` aborted instead (the newcomer, or a
+        lower-ranked waiting request), key to SGLang's 503 message."""
         seq.queued_at = now
         seq.to_prefill = seq.prompt - seq.cached
+        verdict = self.policy.on_full_queue(seq, self.waiting)
+        if verdict is not None:
+            self.failed_total += 1
+            if verdict[0] == seq.key:
+                return dict([verdict])
+            self.waiting = deque(s for s in self.waiting if s.key != verdict[0])
         self._enqueue(seq)
+        return dict([verdict]) if verdict is not None else {}
 
     def cancel(self, key: str) -> None:
         """The client went away: forget the request wherever it is."""
@@ -153,7 +176,7 @@ class Scheduler:
     def step(self, now: float) -> Step | None:
         """The next engine iteration at model time `now`, or None when there is no work."""
         failed = self._timeouts(now)
-        prefill = self._prefill()
+        prefill = self._prefill(now)
         first = {key for key, _ in prefill if self.running[key].to_prefill == 0}
         decoders = [s for s in self.running.values()
                     if s.to_prefill == 0 and s.key not in first]
@@ -204,10 +227,11 @@ class Scheduler:
         self.steps += 1
         duration = self.model.step_seconds(len(decoders), prefilled) \
             if prefill or decoders else 0.0
+        preempted, self._preempted = tuple(s.key for s in self._preempted), []
         return Step(started=now, duration=duration, tokens=tokens, finished=finished,
                     failed=failed, retracted=tuple(s.key for s in retracted),
                     prefill_tokens=prefilled, decoding=len(decoders),
-                    new_token_ratio=self.new_token_ratio, log=tuple(log))
+                    new_token_ratio=self.new_token_ratio, log=tuple(log), preempted=preempted)
 
     def _timeouts(self, now: float) -> dict[str, str]:
         failed: dict[str, str] = {}
@@ -226,8 +250,11 @@ class Scheduler:
         self.failed_total += len(failed)
         return failed
 
-    def _prefill(self) -> list[tuple[str, int]]:
+    def _prefill(self, now: float) -> list[tuple[str, int]]:
         """This step's prompt chunks, admitting from the queue as room allows."""
+        if self.policy.enabled:
+            self.waiting = deque(self.policy.order(self.waiting))
+        admitted: set[str] = set()
         budget = self.model.chunk_tokens
         chunks: list[tuple[str, int]] = []
         if self.chunked is not None:
@@ -238,9 +265,15 @@ class Scheduler:
             seq.to_prefill -= count
             seq.kv += count
             self.chunked = seq if seq.to_prefill else None
-        while budget > 0 and self.chunked is None and self.waiting \
-                and len(self.running) < self.max_running and self._fits(self.waiting[0]):
+        while budget > 0 and self.chunked is None and self.waiting:
+            head = self.waiting[0]
+            if len(self.running) >= self.max_running \
+                    and not self._preempt_for(head, admitted, now):
+                break
+            if not self._fits(head):
+                break
             seq = self.waiting.popleft()
+            admitted.add(seq.key)
             self.running[seq.key] = seq
             seq.kv = seq.cached
             count = min(budget, seq.to_prefill)
@@ -250,24 +283,53 @@ class Scheduler:
             seq.kv += count
             if seq.to_prefill:
                 self.chunked = seq
+        for seq in self._preempted:  # queued again after this step's admissions
+            self._enqueue(seq)
         return chunks
+
+    def _preempt_for(self, seq: Seq, admitted: set[str], now: float) -> bool:
+        """SGLang's `preempt_to_schedule`: free running requests of a low enough priority
+        (never the chunked one, nor one admitted in this step) until `seq` fits."""
+        candidates = [s for s in self.running.values()
+                      if s is not self.chunked and s.key not in admitted]
+        taken: list[Seq] = []
+        for victim in self.policy.preemptible(seq, candidates):
+            taken.append(victim)
+            del self.running[victim.key]
+            if self._fits(seq):
+                break
+        if not taken or not self._fits(seq):
+            for victim in taken:
+                self.running[victim.key] = victim
+            return False
+        for victim in taken:
+            self._release(victim, now)
+            self._preempted.append(victim)
+            self.preempted_total += 1
+        return True
+
+    def _release(self, seq: Seq, now: float) -> None:
+        """A request leaves the running batch with its KV freed, to prefill its prompt and
+        what it generated again when it is admitted next."""
+        seq.kv = 0
+        seq.credit = 0.0
+        seq.cached = 0
+        seq.to_prefill = seq.prompt + seq.generated
+        seq.queued_at = now  # SGLang restarts the waiting clock when it re-queues one
 
     def _retract(self, decoders: list[Seq], need: int, now: float) -> list[Seq]:
         """SGLang's `retract_decode`: retract until this step's tokens fit (at least one,
         never the last), then re-estimate new_token_ratio from what stays."""
-        order = sorted(decoders, key=lambda s: (s.generated, -s.prompt), reverse=True)
+        order = sorted(decoders, reverse=True, key=lambda s: self.policy.retraction_key(
+            s.priority, s.generated, s.prompt))
         retracted: list[Seq] = []
         per_request = math.ceil(self.model.tokens_per_step)
         while len(order) > 1 and (not retracted or self.pool_tokens - self.used_tokens < need):
             seq = order.pop()
             del self.running[seq.key]
             need -= per_request
-            seq.kv = 0
-            seq.credit = 0.0
-            seq.cached = 0
-            seq.to_prefill = seq.prompt + seq.generated
+            self._release(seq, now)
             seq.retractions += 1
-            seq.queued_at = now  # SGLang restarts the waiting clock when it re-queues one
             self._enqueue(seq)
             retracted.append(seq)
             self.retracted_total += 1

@@ -1,0 +1,244 @@
+"""The emulator's priority scheduling (issue 24), as SGLang 0.5.23's: the rules (pure), the
+performance model's scheduler under them (pure, model time), and one emulator over loopback
+HTTP that orders its queue by priority and refuses at --max-queued-requests."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterator
+from dataclasses import replace
+
+import httpx
+import pytest
+
+from appliance.testing.fake_sglang.args import parse
+from appliance.testing.fake_sglang.perfmodel import K3_B300
+from appliance.testing.fake_sglang.priority import (
+    ABORTED_BY_HIGHER,
+    DISABLED,
+    OUT_OF_RANGE,
+    QUEUE_FULL,
+    PriorityPolicy,
+    Refused,
+)
+from appliance.testing.fake_sglang.scheduler import Scheduler, Seq
+from tests.test_fake_sglang import Emulator, small_model
+
+ON = PriorityPolicy.of(parse(["--model-path", "/m", "--enable-priority-scheduling"]))
+
+
+# --- the rules ------------------------------------------------------------------------------
+def test_flags_become_the_policy() -> None:
+    policy = PriorityPolicy.of(parse([
+        "--model-path", "/m", "--enable-priority-scheduling", "--default-priority-value", "10",
+        "--priority-scheduling-preemption-threshold", "0", "--retraction-policy", "priority",
+        "--max-queued-requests", "5"]))
+    assert policy == PriorityPolicy(enabled=True, preemption=True, threshold=0, default=10,
+                                    max_queued=5, retract_by_priority=True)
+    off = PriorityPolicy.of(parse(["--model-path", "/m", "--enable-priority-scheduling",
+                                   "--disable-priority-preemption"]))
+    assert off.enabled and not off.preemption and off.threshold == 10
+    assert PriorityPolicy.of(parse(["--model-path", "/m"])) == PriorityPolicy()
+
+
+def test_assign_defaults_ranges_and_the_disabled_server() -> None:
+    assert ON.assign(None) == -sys.maxsize - 1  # no default: below everything
+    assert replace(ON, default=10).assign(None) == 10 and ON.assign(3) == 3
+    assert replace(ON, low_first=True).assign(None) == sys.maxsize
+    assert PriorityPolicy().assign(7) == 0  # ignored without priority scheduling
+    with pytest.raises(Refused) as refused:
+        PriorityPolicy(abort_when_disabled=True).assign(7)
+    assert (refused.value.status, refused.value.message) == (503, DISABLED)
+    with pytest.raises(Refused) as refused:
+        ON.assign(1 << 63)
+    assert (refused.value.status, refused.value.message) == (400, OUT_OF_RANGE)
+
+
+def seq(key: str, priority: int, at: float = 0.0, **kw: int) -> Seq:
+    return Seq(key=key, prompt=kw.get("prompt", 100), target=kw.get("target", 50), arrived=at,
+               queued_at=at, priority=priority)
+
+
+def test_the_queue_is_ordered_by_priority_then_arrival() -> None:
+    waiting = [seq("a", 0, 1), seq("b", 10, 2), seq("c", 0, 0), seq("d", 10, 3)]
+    assert [s.key for s in ON.order(waiting)] == ["b", "d", "c", "a"]
+    assert [s.key for s in replace(ON, low_first=True).order(waiting)] == ["c", "a", "b", "d"]
+    assert [s.key for s in PriorityPolicy().order(waiting)] == ["c", "a", "b", "d"]  # fcfs
+
+
+def test_preemption_takes_the_lowest_newest_first_above_the_threshold() -> None:
+    running = [seq("old", 0, 1), seq("new", 0, 5), seq("mid", 5, 2), seq("top", 10, 0)]
+    policy = replace(ON, preemption=True, threshold=4)
+    assert [s.key for s in policy.preemptible(seq("x", 10), running)] == ["new", "old", "mid"]
+    assert [s.key for s in replace(policy, threshold=5).preemptible(seq("x", 10), running)] \
+        == ["new", "old"]  # a difference of exactly the threshold does not preempt
+    assert replace(policy, preemption=False).preemptible(seq("x", 10), running) == []
+
+
+def test_a_full_queue_refuses_the_newcomer_or_drops_a_lower_one() -> None:
+    waiting = [seq("lo", 0, 1), seq("lo2", 0, 2), seq("hi", 10, 0)]
+    full = replace(ON, max_queued=3)
+    assert full.on_full_queue(seq("x", 10, 5), waiting) == ("lo2", ABORTED_BY_HIGHER)
+    assert full.on_full_queue(seq("x", 0, 5), waiting) == ("x", QUEUE_FULL)  # not strictly above
+    assert replace(full, max_queued=4).on_full_queue(seq("x", 0, 5), waiting) is None
+    assert PriorityPolicy(max_queued=3).on_full_queue(seq("x", 10, 5), waiting) \
+        == ("x", QUEUE_FULL)  # without priority scheduling the newcomer is refused
+
+
+# --- the scheduler --------------------------------------------------------------------------
+MODEL = replace(K3_B300, kv_tokens=100_000, waiting_timeout=0.0)
+
+
+def run(scheduler: Scheduler, now: float = 0.0, limit: int = 5000) -> tuple[list[str], float]:
+    """Steps until idle: the keys in the order they got their first token, and the clock."""
+    first: list[str] = []
+    for _ in range(limit):
+        step = scheduler.step(now)
+        if step is None:
+            break
+        first += [key for key in step.tokens if key not in first]
+        now = step.ends
+    return first, now
+
+
+def test_the_scheduler_admits_by_priority_then_arrival() -> None:
+    scheduler = Scheduler(MODEL, max_running=1, policy=replace(ON, preemption=False))
+    for index, priority in enumerate([0, 0, 10, 5, 10]):
+        scheduler.add(seq(f"r{index}", priority), float(index) / 100)
+    first, _ = run(scheduler)
+    assert first == ["r2", "r4", "r3", "r0", "r1"]
+    plain = Scheduler(MODEL, max_running=1)
+    for index, priority in enumerate([0, 0, 10, 5, 10]):
+        plain.add(seq(f"r{index}", priority), float(index) / 100)
+    assert run(plain)[0] == ["r0", "r1", "r2", "r3", "r4"]
+
+
+def test_a_higher_priority_preempts_a_running_batch_request_which_resumes() -> None:
+    policy = replace(ON, preemption=True, threshold=0)
+    scheduler = Scheduler(MODEL, max_running=1, policy=policy)
+    scheduler.add(seq("batch", 0, target=400), 0.0)
+    now = 0.0
+    while "batch" not in scheduler.running or scheduler.running["batch"].generated < 20:
+        step = scheduler.step(now)
+        assert step is not None
+        now = step.ends
+    scheduler.add(seq("chat", 10, now, target=30), now)
+    step = scheduler.step(now)
+    assert step is not None and step.preempted == ("batch",)
+    assert list(scheduler.running) == ["chat"] and scheduler.waiting[0].key == "batch"
+    batch = scheduler.waiting[0]
+    assert batch.kv == 0 and batch.to_prefill == batch.prompt + batch.generated
+    run(scheduler, step.ends)
+    assert scheduler.preempted_total == 1 and not scheduler.busy
+    assert batch.generated == 400  # it resumed and finished
+
+
+def test_an_equal_priority_or_preemption_off_does_not_preempt() -> None:
+    for policy in (replace(ON, preemption=True, threshold=10), replace(ON, preemption=False)):
+        scheduler = Scheduler(MODEL, max_running=1, policy=policy)
+        scheduler.add(seq("batch", 0, target=200), 0.0)
+        step = scheduler.step(0.0)
+        assert step is not None
+        scheduler.add(seq("chat", 10, step.ends), step.ends)
+        step = scheduler.step(step.ends)
+        assert step is not None and step.preempted == () and list(scheduler.running) == ["batch"]
+
+
+def test_retraction_by_priority_retracts_the_lowest_first() -> None:
+    """A pool that admits three answers on a low new_token_ratio but cannot hold them: the
+    priority-0 request is retracted, however much it has generated."""
+    model = replace(K3_B300, kv_tokens=3 * 1100, waiting_timeout=0.0,
+                    init_new_token_ratio=0.05, min_new_token_ratio=0.05)
+    policy = replace(ON, retract_by_priority=True)
+    scheduler = Scheduler(model, max_running=8, policy=policy)
+    for key, priority in (("low", 0), ("high", 10), ("mid", 5)):
+        scheduler.add(seq(key, priority, prompt=1000, target=300), 0.0)
+    now, retracted = 0.0, []
+    while not retracted:
+        step = scheduler.step(now)
+        assert step is not None
+        retracted = list(step.retracted)
+        now = step.ends
+    assert retracted[0] == "low"
+    run(scheduler, now, limit=20_000)
+    assert not scheduler.busy
+
+
+def test_the_scheduler_applies_max_queued_requests() -> None:
+    scheduler = Scheduler(MODEL, max_running=1, policy=replace(ON, max_queued=2))
+    assert scheduler.add(seq("a", 0), 0.0) == {}
+    assert scheduler.add(seq("b", 0, 1), 1.0) == {}
+    assert scheduler.add(seq("c", 0, 2), 2.0) == {"c": QUEUE_FULL}
+    assert scheduler.add(seq("d", 10, 3), 3.0) == {"b": ABORTED_BY_HIGHER}
+    assert [s.key for s in scheduler.waiting] == ["a", "d"] and scheduler.failed_total == 2
+
+
+# --- over HTTP ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+    model_dir = small_model(tmp_path_factory.mktemp("model"), shard_bytes=1 << 16)
+    emu = Emulator(tmp_path_factory.mktemp("priority"),
+                   [str(model_dir), "--max-running-requests", "1", "--enable-priority-scheduling",
+                    "--default-priority-value", "10", "--max-queued-requests", "2"],
+                   FAKE_SGLANG_LOAD_SECONDS="1", FAKE_SGLANG_FAULT="slow_tokens=0.05")
+    try:
+        emu.wait_ready()
+        yield emu
+        emu.stop_cleanly()
+    finally:
+        emu.kill()
+
+
+async def until(client: httpx.AsyncClient, running: int, waiting: int) -> None:
+    for _ in range(3000):  # bounded: the state, not a time, is what the test waits on
+        stats = (await client.get("/emulator/stats")).json()
+        if (stats["running"], stats["waiting"]) == (running, waiting):
+            return
+        await asyncio.sleep(0.01)
+    pytest.fail(f"never {running} running and {waiting} waiting")
+
+
+def test_over_http_the_queue_runs_by_priority_and_refuses_when_full(emulator: Emulator) -> None:
+    order: list[str] = []
+
+    async def ask(client: httpx.AsyncClient, name: str, path: str,
+                  body: dict[str, object]) -> httpx.Response:
+        response = await client.post(path, json=body)
+        order.append(name)
+        return response
+
+    async def scenario() -> dict[str, httpx.Response]:
+        chat = {"model": "k3", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 40, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=emulator.url, timeout=60) as client:
+            tasks = {"first": asyncio.ensure_future(
+                ask(client, "first", "/v1/chat/completions", chat))}
+            await until(client, 1, 0)
+            tasks["low"] = asyncio.ensure_future(ask(client, "low", "/v1/completions", {
+                "model": "k3", "prompt": "a b", "max_tokens": 4, "priority": 0}))
+            await until(client, 1, 1)
+            tasks["high"] = asyncio.ensure_future(ask(client, "high", "/generate", {
+                "text": "c d", "sampling_params": {"max_new_tokens": 4}, "priority": 20}))
+            await until(client, 1, 2)
+            full = await client.post("/v1/completions", json={
+                "model": "k3", "prompt": "e", "max_tokens": 2, "priority": 0})
+            tasks["bumped"] = asyncio.ensure_future(ask(
+                client, "bumped", "/v1/chat/completions", {**chat, "max_tokens": 4,
+                                                           "priority": 30}))
+            low = await tasks.pop("low")  # aborted at once for the newcomer
+            await until(client, 1, 2)
+            bad = await client.post("/v1/completions", json={
+                "model": "k3", "prompt": "e", "priority": "high"})
+            done = dict(zip(tasks, await asyncio.gather(*tasks.values()), strict=True))
+            return {**done, "low": low, "full": full, "bad": bad}
+
+    got = asyncio.run(scenario())
+    assert got["full"].status_code == 503
+    assert got["full"].json()["message"] == QUEUE_FULL
+    # the newcomer of priority 30 took the place of the lowest waiting request (low, 0)
+    assert got["low"].status_code == 503 and got["low"].json()["message"] == ABORTED_BY_HIGHER
+    assert all(got[name].status_code == 200 for name in ("first", "high", "bumped"))
+    assert order.index("low") < order.index("first") < order.index("bumped") \
+        < order.index("high")  # the queue ran by priority, not by arrival
+    assert got["bad"].status_code == 400 and "priority" in got["bad"].json()["message"]
