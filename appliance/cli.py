@@ -141,10 +141,19 @@ def cmd_admin(args: argparse.Namespace, config: Config) -> int:
     db = _database(config)
     now = dt.datetime.now(dt.UTC)
     if args.admin_command == "list":
-        for admin in db.call(list_admins):
-            flag = "  (must change password)" if admin.must_change_password else ""
-            print(f"{admin.username}\t{admin.role.value}\t"
-                  f"created {admin.created_at:%Y-%m-%d %H:%M}Z{flag}")
+        admins = db.call(list_admins)
+        if not admins:
+            print("appliance: no console accounts yet; add one with `appliance admin create "
+                  "--username NAME --password-stdin`", file=sys.stderr)
+            return 0
+        rows = [(a.username, a.role.value, f"{a.created_at:%Y-%m-%d %H:%M} UTC",
+                 "must change password" if a.must_change_password else "active")
+                for a in admins]
+        head = ("USERNAME", "ROLE", "CREATED", "STATE")
+        widths = [max(len(row[i]) for row in [head, *rows]) for i in range(3)]
+        for row in [head, *rows]:
+            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False))
+                  + "  " + row[3])
         return 0
     username = args.username.strip().lower()
     if args.admin_command == "set-role":
@@ -245,8 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     admin = sub.add_parser("admin", parents=[common],
                            help="manage console accounts and their roles")
     admin_sub = admin.add_subparsers(dest="admin_command", required=True)
+    admin_help = {"create": "add a console account (asks for its password)",
+                  "reset-password": "set an account's password and end its sessions"}
     for name in ("create", "reset-password"):
-        cmd = admin_sub.add_parser(name, parents=[common])
+        cmd = admin_sub.add_parser(name, parents=[common], help=admin_help[name])
         cmd.add_argument("--username", required=True)
         cmd.add_argument("--password-stdin", action="store_true",
                          help="read the password from the first line of standard input")
@@ -257,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     help="give an account another role")
     set_role.add_argument("--username", required=True)
     set_role.add_argument("--role", choices=roles, required=True)
-    admin_sub.add_parser("list", parents=[common])
+    admin_sub.add_parser("list", parents=[common],
+                         help="list the console accounts: username, role, created, state")
 
     token = sub.add_parser("token", parents=[common], help="manage admin API tokens")
     token_sub = token.add_subparsers(dest="token_command", required=True)

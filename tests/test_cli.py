@@ -36,7 +36,15 @@ def test_admin_create_list_and_reset(box: Path) -> None:
     assert created.returncode == 0, created.stderr
     assert "admin 'ops' created" in created.stdout
     listed = run_cli("--config", str(box), "admin", "list")
-    assert listed.stdout.startswith("ops\t")
+    head, row = listed.stdout.splitlines()
+    assert head.split() == ["USERNAME", "ROLE", "CREATED", "STATE"]
+    assert row.split()[:2] == ["ops", "admin"] and row.endswith("  active")
+    assert row.index("admin") == head.index("ROLE")  # the columns line up under the header
+    described = run_cli("admin", "--help").stdout
+    for command, words in (("create", "add a console account"),
+                           ("reset-password", "end its sessions"), ("list", "username, role"),
+                           ("set-role", "another role")):
+        assert command in described and words in described, described
     reset = run_cli("--config", str(box), "admin", "reset-password", "--username", "ops",
                     "--password-stdin", input="another sturdy one\n")
     assert reset.returncode == 0, reset.stderr
