@@ -106,6 +106,9 @@ def test_the_supervisor_runs_the_real_engine_to_ready_probes_it_and_stop_drains_
     assert run.reason == "stopped" and "drained and exited cleanly" in run.hint, run.hint
     text = Path(run.log_path).read_text(errors="replace")
     assert "SIGTERM received" in text and "Gracefully exiting" in text
+    # Nothing the product called is deprecated in 0.5.23 (/get_model_info and
+    # /get_server_info log a deprecation pointing to /model_info and /server_info).
+    assert "Endpoint '/get_" not in text
     # The log the product reads shows one run for this one launch (the Engine page's
     # parse and `parse-log`), and what it read of the real engine's startup.
     runs = logparse.parse_runs(text)
