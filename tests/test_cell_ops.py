@@ -35,7 +35,13 @@ from appliance.auth.tokens import create_token
 from appliance.cell import cli as cell_cli
 from appliance.cell.membership import Member
 from appliance.cell.ops import cell_ops_of
-from appliance.cell.overview import UsageWindow, build_overview, overview_json, usage_window
+from appliance.cell.overview import (
+    UsageWindow,
+    build_overview,
+    health_words,
+    overview_json,
+    usage_window,
+)
 from appliance.cell.role_choice import stored_role
 from appliance.cell.rolling import (
     Engine,
@@ -742,6 +748,24 @@ def member_row(member_id: int, role: str, engine_url: str) -> Member:
 def answer(role: str, url: str, state: str = "ready") -> dict[str, Any]:
     return {"role": role, "engine": {"state": state, "url": url, "capacity": 64},
             "health": {"overall": "ok"}}
+
+
+def test_a_member_card_names_the_checks_that_fail() -> None:
+    warned = {"role": "decode", "engine": {"state": "ready", "url": DECODE1, "capacity": 64},
+              "health": {"overall": "warn", "failing": ["weights.set"],
+                         "failing_titles": ["Weights"]}}
+    older = {**warned, "health": {"overall": "critical", "failing": ["gpu.3.temperature"]}}
+    at = dt.datetime(2026, 5, 1, 12, 5, tzinfo=dt.UTC)
+    for reply, words in ((warned, "a check warns: Weights"),
+                         (older, "a check is critical: gpu.3.temperature")):
+        view = build_view(EngineFacts(role="unified", state="stopped"),
+                          [Observed(member_row(2, "decode", DECODE1), "ok", answer=reply)],
+                          router_running=False, at=at, router=None)
+        (card,) = build_overview(view, None, None, None).members
+        assert card.health == words
+    assert health_words("warn", ["GPU 3 temperature", "Weights", "Host load", "Shared memory"]
+                        ) == ("4 checks warn or are critical: GPU 3 temperature, Weights, "
+                              "Host load and 1 more")
 
 
 def test_the_overview_puts_the_routers_view_beside_each_engine() -> None:

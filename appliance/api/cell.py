@@ -162,7 +162,8 @@ async def peer_status(request: CellRequest) -> dict[str, Any]:
     runtime = runtime_of(request)
     status = runtime.supervisor.status
     health = runtime.health.latest
-    failing = [r.id for r in health.results if r.level > 0 and r.id not in health.muted]
+    failed = [r for r in health.results if r.level > 0 and r.id not in health.muted]
+    failing = [r.id for r in failed]
     facts = await runtime.cell.local.facts()
     prefix = _peer(request)
     reads = runtime.cell.reads.due(prefix, runtime.clock.monotonic()) if prefix else None
@@ -180,7 +181,8 @@ async def peer_status(request: CellRequest) -> dict[str, Any]:
         "gpus": gpus.to_json() if gpus else None,
         "health": {"overall": health.overall().label,
                    "checked_at": health.at.isoformat() if health.at else None,
-                   "failing": failing},
+                   "failing": failing,  # check ids; the titles name them on the head's page
+                   "failing_titles": [r.title for r in failed]},
     }
 
 

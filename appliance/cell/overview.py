@@ -223,6 +223,20 @@ class Overview:
         return bool(self.view.members)
 
 
+def health_words(overall: str | None, failing: Sequence[str]) -> str:
+    """A member's health in words, naming what fails: "a check warns: Weights"; "2 checks
+    warn or are critical: GPU 3 temperature, Weights"; at most three named."""
+    if overall is None or overall not in HEALTH_WORDS:
+        return "not reported"
+    if overall == "ok" or not failing:
+        return HEALTH_WORDS[overall]
+    named = ", ".join(failing[:3]) + (f" and {len(failing) - 3} more" if len(failing) > 3
+                                      else "")
+    if len(failing) == 1:
+        return f"{HEALTH_WORDS[overall]}: {named}"
+    return f"{len(failing)} checks warn or are critical: {named}"
+
+
 def build_overview(view: CellView, router: RouterReading | None, usage: UsageWindow | None,
                    rolling: Progress | None) -> Overview:
     scrape = router.scrape if router is not None else None
@@ -231,7 +245,7 @@ def build_overview(view: CellView, router: RouterReading | None, usage: UsageWin
         figures = worker_for(scrape, (m.worker_url, m.engine_url))
         cards.append(MemberCard(
             member=m, router=figures, engine=engine_words(m.state, m.percent, m.eta_seconds),
-            health=HEALTH_WORDS.get(m.health or "", "not reported"), gpus=gpu_words(m.gpus),
+            health=health_words(m.health, m.failing), gpus=gpu_words(m.gpus),
             router_line=router_words(m.role, m.worker_url, figures, router),
             actions=member_actions(m.state, m.reachable)))
     own = view.own

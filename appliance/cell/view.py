@@ -122,6 +122,15 @@ class Report:
     version: str = ""
     health: str | None = None
     gpus: GpuSummary | None = None
+    failing: tuple[str, ...] = ()  # the checks that warn or are critical, by title
+
+
+def _failing(health: object) -> tuple[str, ...]:
+    """The failing checks' titles (a member before them sends ids only)."""
+    if not isinstance(health, dict):
+        return ()
+    named = health.get("failing_titles", health.get("failing"))
+    return tuple(str(n) for n in named) if isinstance(named, list) else ()
 
 
 def read_report(answer: Mapping[str, Any]) -> Report:
@@ -137,7 +146,7 @@ def read_report(answer: Mapping[str, Any]) -> Report:
         key=_str(answer.get("engine_key")), key_running=_str(answer.get("engine_key_running")))
     return Report(facts, _str(answer.get("hostname")) or "", _str(answer.get("version")) or "",
                   _str(health.get("overall")) if isinstance(health, dict) else None,
-                  GpuSummary.from_json(answer.get("gpus")))
+                  GpuSummary.from_json(answer.get("gpus")), _failing(health))
 
 
 @dataclass(frozen=True)
@@ -188,6 +197,7 @@ class MemberView:
     key_running: str | None
     ready: bool
     problem: str
+    failing: tuple[str, ...] = ()  # its failing health checks, by title
 
 
 @dataclass(frozen=True)
@@ -318,7 +328,8 @@ def _member_view(seen: Observed, head_key: str | None,
         eta_seconds=eta, percent=percent, health=report.health if report else None,
         gpus=report.gpus if report else None, hostname=report.hostname if report else "",
         version=report.version if report else "", seen_at=m.seen_at, key=key,
-        key_running=key_running, ready=ready, problem=problem)
+        key_running=key_running, ready=ready, problem=problem,
+        failing=report.failing if report else ())
 
 
 def _own_candidate(own: EngineFacts, check: RouterCheck | None) -> _Candidate | None:
