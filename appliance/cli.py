@@ -334,7 +334,7 @@ def cmd_tune(args: argparse.Namespace, config: Config) -> int:
 def cmd_keys(args: argparse.Namespace, config: Config) -> int:
     from appliance.gateway import keys_cli
 
-    return keys_cli.run(args, config)
+    return keys_cli.run(args, config, _database(config), _operator())
 
 
 def cmd_doctor(args: argparse.Namespace, config: Config) -> int:

@@ -18,6 +18,7 @@ import httpx
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
 from appliance import __version__
+from appliance.auditing import audit
 from appliance.auth.sessions import SessionPolicy
 from appliance.auth.throttle import LoginThrottle
 from appliance.cell.engine_key import EngineKeys, KeyedTransport
@@ -160,6 +161,7 @@ def build_runtime(
                           engine_transport=engine_transport, engine_keys=engine_keys,
                           webhook_transport=webhook_transport,
                           webhook_base_delay=webhook_base_delay)
+    weights.on_job_end = health.check_weights  # a job's end re-judges the weights check
     runtime = Runtime(
         config=config,
         clock=clock,
@@ -183,8 +185,6 @@ def build_runtime(
         started_at=clock.now(),
         started_monotonic=clock.monotonic(),
     )
-    from appliance.auditing import audit  # it imports this module
-
     runtime.cell = CellWatch(
         config=config, db=db, clock=clock, local=LocalEngine(config, supervisor, engine_keys),
         runner=router or router_runner(config), alerts=health.alerts,

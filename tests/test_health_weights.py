@@ -24,8 +24,8 @@ from appliance.health.model import Level
 from appliance.runtime import Runtime
 from appliance.testing.checkpoint import write_checkpoint
 from appliance.weights import records
-from appliance.weights.importer import quarantine
 from appliance.weights.manifest import ManifestFile, build_manifest
+from appliance.weights.quarantine import quarantine
 from tests.conftest import Console, csrf
 
 API = "/api/v1/health"

@@ -148,6 +148,9 @@ def test_verify_full_that_read_nothing_says_so_and_keeps_the_verified_time(
     assert first.startswith("verify --full: 9 files unchanged since their last full hash on "
                             ), first
     assert "no bytes were read" in first and "match" not in first
+    # One event, one time (issue 23): the hash it names is the set's full verification.
+    hashed_at = first.split("last full hash on ")[1].split(";")[0]
+    assert f"fully verified at {hashed_at}" in result.stdout, result.stdout
     after = json.loads(weights(config, "status", "--json").stdout)["full_verified_at"]
     assert after == before
 

@@ -126,6 +126,7 @@ class HealthMonitor:
         return await self._run("host", self._poll_host)
 
     async def check_weights(self) -> HealthSnapshot:
+        """Also the weights service's `on_job_end` hook: a job's end re-judges it at once."""
         return await self._run("weights", self._poll_weights)
 
     async def check_all(self) -> HealthSnapshot:

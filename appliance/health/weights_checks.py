@@ -11,7 +11,8 @@ The verdict (`weights_check`):
 - OK otherwise, with when the set was fully verified.
 
 Blocking (database reads, file stats): callers run it in a worker thread. The health
-monitor polls it every `INTERVAL_SECONDS` and at "check now" (group "weights"); the doctor
+monitor polls it every `INTERVAL_SECONDS`, at "check now" and at the end of every weights job
+(`WeightsService.on_job_end`, so a job's verdict shows at once; group "weights"); the doctor
 runs it once under its own id and group ("appliance.weights", "appliance").
 """
 
@@ -34,9 +35,9 @@ def weights_check(db: Database, config: Config, *, check_id: str = CHECK_ID,
     """See the module docstring."""
     from appliance.engine.args import model_dir
     from appliance.weights import records
-    from appliance.weights.importer import QUARANTINE, quarantined
+    from appliance.weights.quarantine import QUARANTINE, quarantined
     from appliance.weights.quick import quick_verify
-    from appliance.weights.service import active_set
+    from appliance.weights.records import active_set
 
     def result(level: Level, summary: str, hint: str = "") -> CheckResult:
         return CheckResult(check_id, group, TITLE, level, summary,

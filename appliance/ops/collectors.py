@@ -423,7 +423,7 @@ def weights(ctx: Context) -> list[Part]:
 
 
 def _quarantine(models_dir: Path) -> list[dict[str, Any]]:
-    from appliance.weights.importer import QUARANTINE
+    from appliance.weights.quarantine import QUARANTINE
 
     found: list[dict[str, Any]] = []
     try:

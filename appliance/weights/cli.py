@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime as dt
 import json
 import sys
 import time
@@ -28,7 +29,7 @@ from typing import Any
 
 from appliance.config import Config, check_endpoint, check_repo_id
 from appliance.errors import EX_USAGE, AlreadyRunning, ApplianceError
-from appliance.weights.views import bytes_text
+from appliance.weights.views import bytes_text, stamp
 
 FINAL = ("idle", "failed")
 
@@ -306,14 +307,16 @@ def describe(view: dict[str, Any], *, verdict: bool = False) -> str:
     if counts:
         lines.append("  files: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
     if view.get("full_verified_at"):
-        lines.append(f"  fully verified at {view['full_verified_at']}")
+        lines.append(f"  fully verified at {_stamp(view['full_verified_at'])}")
     problems = view.get("disk_problems") or []
     if problems:
         lines.append("  changed on disk since proven:")
         lines += [f"    {p}" for p in problems[:10]]
-    if view.get("quick_ok") is not None:
-        lines.append("  quick check: " + ("passed" if view["quick_ok"] else "FAILED"))
-        lines += [f"    {p}" for p in view.get("quick_problems", [])[:10]]
+    latest = view.get("latest_check")
+    if latest:  # the newest verdict of either kind, named: never an older quick pass
+        lines.append(f"  latest check: {latest['sentence']}")
+        if latest["kind"] == "quick check":
+            lines += [f"    {p}" for p in view.get("quick_problems", [])[3:10]]
     for item in view.get("files", []):
         if item["state"] in ("failed", "missing", "retrying", "stalled"):
             lines.append(f"  {item['state']:>9} {item['path']}: {item['last_error']}")
@@ -376,6 +379,11 @@ def _verdict_lines(verification: dict[str, Any]) -> list[str]:
         lines.append(f"    found:    {m['found']}")
         lines.append(f"    moved to: {m['moved_to'] or '(nothing to move)'}")
     return lines
+
+
+def _stamp(iso: str) -> str:
+    """A time from the JSON view as every weights message writes it (views.stamp)."""
+    return stamp(dt.datetime.fromisoformat(iso))
 
 
 def _duration(seconds: float) -> str:

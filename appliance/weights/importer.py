@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import errno
 import os
 import re
-import shutil
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,7 +36,8 @@ from appliance.weights.downloader import DiskFull, part_path
 from appliance.weights.hashing import Digest, HashResult, hash_files, should_prewarm
 from appliance.weights.live import LiveFile
 from appliance.weights.manifest import Manifest, ManifestFile, manifest_from_json
-from appliance.weights.pull import adopt_manifest, complete, mark_verified
+from appliance.weights.proven import adopt_manifest, complete, mark_verified
+from appliance.weights.quarantine import QUARANTINE, quarantine
 from appliance.weights.sources import read_manifest_file
 from appliance.weights.views import (
     Activity,
@@ -50,7 +51,6 @@ if TYPE_CHECKING:
     from appliance.weights.service import WeightsService
 
 T = TypeVar("T")
-QUARANTINE = ".quarantine"
 COPY_CHUNK = 8 << 20
 
 
@@ -83,31 +83,6 @@ def progress_sink(service: WeightsService) -> Callable[[str, int], None]:
         loop.call_soon_threadsafe(add, path, nbytes)
 
     return sink
-
-
-def quarantine(target_dir: Path, path: str) -> Path | None:
-    """Move a damaged file aside (`<model dir>/.quarantine/<path>`), out of the engine's way;
-    None when there was nothing to move. Never deletes: an earlier quarantined copy of the
-    same file is kept, and this one gets a numbered name beside it."""
-    source = target_dir / path
-    if not source.exists():
-        return None
-    destination = target_dir / QUARANTINE / path
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    number = 1
-    while os.path.lexists(destination):
-        destination = target_dir / QUARANTINE / f"{path}.{number}"
-        number += 1
-    os.replace(source, destination)
-    return destination
-
-
-def quarantined(target_dir: Path, paths: Sequence[str]) -> list[str]:
-    """The manifest paths with a copy in the model directory's quarantine (blocking)."""
-    root = target_dir / QUARANTINE
-    if not root.is_dir():
-        return []
-    return [p for p in paths if os.path.lexists(root / p)]
 
 
 def _unchanged(record: records.FileRecord, target: Path) -> bool:
@@ -243,10 +218,9 @@ async def run_full_verify(service: WeightsService, *, rehash: bool) -> None:
     results = await _hash_and_record(service, set_id, target_dir, todo,
                                      drop_cache=not keep_cached, moved=moved)
     seconds = max(loop.time() - started, 1e-6)
-    since = [f.verified_at for f in unchanged if f.verified_at is not None]
     outcome = VerifyOutcome(
         at=service.clock.now(), files=len(files), hashed=len(todo), unchanged=len(unchanged),
-        unchanged_since=min(since) if since else None,
+        unchanged_since=_unchanged_since(unchanged, record.full_verified_at),
         mismatches=tuple(_mismatch(r, moved.get(p)) for p, r in sorted(results.items())
                          if not r.ok),
         rate_text=rate_text(total / seconds) if todo else "")
@@ -276,6 +250,23 @@ async def run_full_verify(service: WeightsService, *, rehash: bool) -> None:
     await service.finish_job(message=outcome.summary)
     if service.on_ready is not None:
         await service.on_ready()
+
+
+def _unchanged_since(unchanged: Sequence[records.FileRecord],
+                     set_verified_at: dt.datetime | None) -> dt.datetime | None:
+    """When the unchanged files were last proven, as one event has one time: the set's full
+    verification when they were all hashed by then (a pull proves files one by one, then
+    the set; the status shows the set's time), else the oldest file's own hash."""
+    since = [f.verified_at for f in unchanged if f.verified_at is not None]
+    if not since:
+        return None
+    if set_verified_at is not None and all(_utc(t) <= _utc(set_verified_at) for t in since):
+        return set_verified_at
+    return min(since, key=_utc)
+
+
+def _utc(value: dt.datetime) -> dt.datetime:
+    return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
 
 
 def _mismatch(result: HashResult, moved: Path | None) -> Mismatch:
@@ -446,10 +437,6 @@ def _adopt_file(source: Path, target: Path, file: ManifestFile,
                        f"match the manifest; copy it again")
     os.replace(part, target)
     return True, ""
-
-
-def remove_quarantine(target_dir: Path) -> None:
-    shutil.rmtree(target_dir / QUARANTINE, ignore_errors=True)
 
 
 def manifest_from_dir(directory: Path, repo_id: str, revision: str = "local",

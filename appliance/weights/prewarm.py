@@ -33,7 +33,7 @@ async def prewarm_for_launch(service: WeightsService, report: Callable[[str], No
     on and host RAM is at least 1.25 times the model (the B300 box has 3 TiB for 1.56 TB);
     skipped right after a full verification that kept the pages. `report` gets a line
     every second; the result (GB and GB/s) is returned and recorded as an event."""
-    from appliance.weights.service import active_set
+    from appliance.weights.records import active_set
 
     record = await service.db.run(active_set)
     if not service.config.weights.prewarm or record is None:

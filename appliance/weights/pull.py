@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from appliance.errors import ApplianceError
-from appliance.sizes import bytes_text
 from appliance.volumes import nearest_existing
 from appliance.weights import records
 from appliance.weights.downloader import (
@@ -30,6 +29,7 @@ from appliance.weights.downloader import (
 from appliance.weights.fetch import UNREACHABLE, Throttle
 from appliance.weights.live import LiveFile
 from appliance.weights.manifest import Manifest, Needs, needs, space_problem
+from appliance.weights.proven import adopt_manifest, complete, mark_verified
 from appliance.weights.sources import HubSource, SourceError
 from appliance.weights.views import Activity, FileState
 
@@ -97,22 +97,6 @@ async def _resolve(service: WeightsService, client: httpx.AsyncClient, source: H
             await service.record_event("warning", f"weights manifest: {exc.message}; retry "
                                        f"{failures} in {delay:.0f} s")
             await asyncio.sleep(delay)
-
-
-async def adopt_manifest(service: WeightsService, manifest: Manifest,
-                         source: str) -> records.SetRecord:
-    now = service.clock.now()
-
-    def store(s: Any) -> records.SetRecord:
-        record = records.store_manifest(s, manifest, source, now)
-        records.set_control(s, at=now, by="weights", active_set_id=record.id)
-        return record
-
-    record = await service.db.run(store)
-    await service.record_event("info", f"weights manifest of {manifest.repo_id}@"
-                               f"{manifest.commit[:12]}: {len(manifest.files)} files, "
-                               f"{bytes_text(manifest.total_bytes)}")
-    return record
 
 
 async def _download_all(service: WeightsService, source: HubSource,
@@ -203,26 +187,6 @@ def _needs(service: WeightsService, manifest: Manifest, target_dir: Path) -> tup
     return needs(manifest, verified, partials), free_bytes(target_dir)
 
 
-async def complete(service: WeightsService, record: records.SetRecord, manifest: Manifest) -> None:
-    from appliance.weights.importer import remove_quarantine
-
-    await asyncio.to_thread(remove_quarantine, service.dir_for(manifest.repo_id))
-    now = service.clock.now()
-    await service.db.run(lambda s: records.set_full_verified(s, record.id, now))
-    service.note_verification(None, None)  # an earlier verdict of damage is repaired now
-    report = await service.quick_verify()
-    if report is not None and not report.ok:
-        raise ApplianceError("weights_quick_failed", "every file matched its hash but the "
-                             "checkpoint's structure check failed: " + "; ".join(
-                                 f"{p.path}: {p.message}" for p in report.problems[:3]),
-                             "the source publishes a broken checkpoint; report it upstream")
-    await service.finish_job(message=f"{manifest.repo_id}@{manifest.commit[:12]}: all "
-                             f"{len(manifest.files)} files verified "
-                             f"({bytes_text(manifest.total_bytes)})")
-    if service.on_ready is not None:
-        await service.on_ready()
-
-
 # --- reconcile what is on disk with the records ------------------------------------------------
 
 
@@ -309,19 +273,6 @@ class _Listener:
 def _ignore_result(task: asyncio.Future[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("weights bookkeeping failed: %s", task.exception())
-
-
-async def mark_verified(service: WeightsService, set_id: int, path: str) -> None:
-    """Record a file as proven, with the size and mtime it was proven at."""
-    record = await service.db.run(lambda s: records.get_set(s, set_id))
-    assert record is not None
-    target = service.dir_for(record.repo_id) / path
-    stat = await asyncio.to_thread(target.stat)
-    now = service.clock.now()
-    await service.db.run(lambda s: records.update_file(
-        s, set_id, path, state=FileState.VERIFIED.value, bytes_done=stat.st_size,
-        verified_at=now, verified_size=stat.st_size, verified_mtime_ns=stat.st_mtime_ns,
-        last_error=""))
 
 
 def free_bytes(path: Path) -> int:

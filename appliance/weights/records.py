@@ -177,3 +177,9 @@ def set_full_verified(session: Session, set_id: int, at: dt.datetime | None) -> 
     row = session.get(WeightsSet, set_id)
     if row is not None:
         row.full_verified_at = at
+
+
+def active_set(session: Session) -> SetRecord | None:
+    """The set the weights control points at (the one the engine is to serve), if any."""
+    set_id = get_control(session).active_set_id
+    return get_set(session, set_id) if set_id is not None else None

@@ -34,6 +34,7 @@ from appliance.weights.live import LiveFile, RateMeter, eta
 from appliance.weights.manifest import Manifest
 from appliance.weights.quick import QuickReport, quick_verify
 from appliance.weights.ram_plan import HostCache
+from appliance.weights.records import active_set
 from appliance.weights.views import (
     Activity,
     FileState,
@@ -82,6 +83,10 @@ class WeightsService:
         self._verification: VerifyOutcome | None = None
         self._verification_set: int | None = None
         self.on_ready: Callable[[], Awaitable[None]] | None = None
+        # Called when a job ends, however it ends (build_runtime wires the health monitor's
+        # weights check): the Dashboard and Health carry the job's verdict at once, not at
+        # the check's next scheduled poll minutes later.
+        self.on_job_end: Callable[[], Awaitable[object]] | None = None
         # An operator's new pull refuses outright when the volume is short; a pull resumed
         # after a restart (or short mid-way) waits for space instead.
         self._fresh = False
@@ -232,6 +237,7 @@ class WeightsService:
                           "files are kept and a new pull resumes them")
         await self.record_event("info", f"weights {job or 'job'} cancelled by {actor}")
         await self._persist()
+        await self._job_ended()
         return await self.status()
 
     async def quick_verify(self) -> QuickReport | None:
@@ -413,6 +419,17 @@ class WeightsService:
         else:
             self.set_activity(Activity.IDLE, message)
             await self.record_event("info", f"weights {job} finished: {message}")
+        await self._job_ended()
+
+    async def _job_ended(self) -> None:
+        """Tell `on_job_end` (the health check) the records changed; its failure is logged,
+        never the job's."""
+        if self.on_job_end is None:
+            return
+        try:
+            await self.on_job_end()
+        except Exception:
+            log.exception("could not re-judge the weights check after a job")
 
     def set_activity(self, activity: Activity, message: str, hint: str = "") -> None:
         self._activity, self._message, self._hint = activity, message, hint
@@ -497,11 +514,6 @@ class WeightsService:
         """Sample the total for the overall rate (bytes of every file of the set)."""
         now = asyncio.get_running_loop().time()
         self._total_meter.add(now, sum(f.bytes_done for f in self._live.values()))
-
-
-def active_set(session: Any) -> records.SetRecord | None:
-    set_id = records.get_control(session).active_set_id
-    return records.get_set(session, set_id) if set_id is not None else None
 
 
 def _refetchable(record: records.SetRecord) -> bool:

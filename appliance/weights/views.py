@@ -135,6 +135,25 @@ class VerifyOutcome:
 
 
 @dataclass(frozen=True)
+class LatestCheck:
+    """The newest verdict on the set: which kind ran, when, and what it found."""
+
+    kind: str  # "full verification" or "quick check"
+    at: dt.datetime
+    ok: bool
+    summary: str
+
+    def sentence(self) -> str:
+        """"full verification at 2026-12-02 03:44:20 UTC: FAILED: …" — one line."""
+        return f"{self.kind} at {stamp(self.at)}: {'passed' if self.ok else 'FAILED'}: " \
+            f"{self.summary}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "at": self.at.isoformat(), "ok": self.ok,
+                "summary": self.summary, "sentence": self.sentence()}
+
+
+@dataclass(frozen=True)
 class FileView:
     path: str
     size: int
@@ -201,6 +220,20 @@ class WeightsView:
     def busy(self) -> bool:
         return self.activity not in (Activity.IDLE, Activity.FAILED)
 
+    @property
+    def latest_check(self) -> LatestCheck | None:
+        """The newest verdict of either kind (full verification or quick check), so a quick
+        pass from before never stands for a full verification that found damage since."""
+        verification, quick_at = self.verification, self.quick_checked_at
+        if verification is not None and (quick_at is None or verification.at >= quick_at):
+            return LatestCheck("full verification", verification.at, verification.ok,
+                               verification.summary)
+        if quick_at is not None and self.quick_ok is not None:
+            return LatestCheck("quick check", quick_at, self.quick_ok,
+                               "; ".join(self.quick_problems[:3]) if not self.quick_ok else
+                               "sizes and headers match the manifest")
+        return None
+
     def to_dict(self, *, files: bool = True) -> dict[str, Any]:
         body: dict[str, Any] = {
             "repo_id": self.repo_id, "revision": self.revision, "commit": self.commit,
@@ -215,6 +248,7 @@ class WeightsView:
             "ready_for_engine": self.ready_for_engine, "job": self.job,
             "verification": self.verification.to_dict() if self.verification else None,
             "disk_problems": list(self.disk_problems), "refetchable": self.refetchable,
+            "latest_check": self.latest_check.to_dict() if self.latest_check else None,
         }
         if files:
             body["files"] = [f.to_dict() for f in self.files]
