@@ -5,9 +5,9 @@ On a member: `join-token` prints a one-time token (valid an hour) to give the he
 `members` lists them with their status, `remove ID` gives the credential up and forgets it;
 `status` shows the cell (members, router, traffic, a rolling restart), `engine ID ACTION`
 starts, stops or restarts a member's engine, `role ID ROLE` changes a member's role, and
-`rolling-restart ROLE` restarts a role's members one at a time and follows it. Stop, restart,
-a role change of a running engine and a rolling restart first say what they cost and need
-`--yes`.
+`rolling-restart [ROLE]` restarts a role's members one at a time and follows it (no role: the
+one role with two READY engines). Stop, restart, a role change of a running engine and a
+rolling restart first say what they cost and need `--yes`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from appliance.cell.plan_cli import add_plan_parser, run_plan
+from appliance.cell.rolling import READY, ROLLING_ROLES
 from appliance.config import CELL_ROLES, Config
-from appliance.errors import ApplianceError
+from appliance.errors import EX_USAGE, ApplianceError
 
 API = "/api/v1/cell"
 
@@ -67,7 +68,11 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         member.add_argument("--json", action="store_true")
     rolling = csub.add_parser("rolling-restart", parents=[common],
                               help="on the head: restart a role's members one at a time")
-    rolling.add_argument("role", choices=("prefill", "decode"))
+    # No fixed default: in the usual 1 prefill + 2 decode cell a prefill default would
+    # always be refused. Left out, it is the one role with two or more READY engines.
+    rolling.add_argument("role", nargs="?", choices=ROLLING_ROLES,
+                         help="prefill or decode (default: the one role with at least two "
+                              "ready engines, the only kind a rolling restart can take)")
     rolling.add_argument("--yes", action="store_true",
                          help="confirm: each restart costs a full engine start on its box")
     rolling.add_argument("--no-wait", dest="wait", action="store_false",
@@ -166,14 +171,41 @@ def run_ops(args: argparse.Namespace, api: Any) -> int:
             asked["at"] = args.at
         body = checked(api.post(f"{API}/members/{args.id}/role", json=asked), "cell_api")
         return _print(args, body, lambda b: f"member {b['id']} ({b['address']}): {b['message']}")
+    role = args.role or rollable_role(checked(api.get(API), "cell_api"))
     body = checked(api.post(f"{API}/rolling-restart",
-                            json={"role": args.role, "confirm": args.yes}), "cell_api")
+                            json={"role": role, "confirm": args.yes}), "cell_api")
     if args.wait and not args.json:
         body = _follow_rolling(api, body)
     _print(args, body, describe_rolling)
     # The verdict is the exit code too: a rolling restart that stopped at a failure, or was
     # cancelled, exits 1 (one still running when no longer followed is not a verdict: 0).
     return 1 if body.get("state") in ("failed", "cancelled") else 0
+
+
+def rollable_role(cell: dict[str, Any]) -> str:
+    """The role a rolling restart given no role takes: the one with at least two READY
+    engines (members and the head, from the head's cell status); refused, with the counts,
+    when neither or both qualify."""
+    engines = [(m["role"], m["engine"].get("state") if m["status"] == "ok" else None)
+               for m in cell.get("members", [])]
+    head = cell.get("head") or {}
+    engines.append((head.get("role"), head.get("engine_state")))
+    ready = {role: sum(1 for r, state in engines if r == role and state == READY)
+             for role in ROLLING_ROLES}
+    counts = ", ".join(f"{role} {n} ready" for role, n in ready.items())
+    able = [role for role, n in ready.items() if n >= 2]
+    if len(able) == 1:
+        return able[0]
+    if able:
+        raise ApplianceError("rolling_role_needed", f"both roles can be restarted one box at a "
+                             f"time ({counts}): say which",
+                             "run `appliance cell rolling-restart prefill` or `… decode`",
+                             exit_code=EX_USAGE)
+    raise ApplianceError("rolling_restart_refused", f"no role has two READY engines ({counts}); "
+                         "a rolling restart needs two, so that one serves while the other "
+                         "restarts", "restart the engine on its own (`appliance cell engine ID "
+                         "restart`), or wait until a second engine of the role is READY",
+                         exit_code=EX_USAGE)
 
 
 def _follow_rolling(api: Any, progress: dict[str, Any]) -> dict[str, Any]:
