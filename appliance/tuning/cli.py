@@ -326,7 +326,9 @@ def recommend_command(args: argparse.Namespace, config: Config) -> int:
                else running if running is not None
                else config.engine.mamba_full_memory_ratio)
     current_from = ("given" if args.current_ratio is not None
-                    else "the running engine's" if running is not None
+                    # the log's last start: the engine may have stopped since, so
+                    # never "the running engine's"
+                    else "the engine's last start here" if running is not None
                     else "the configured")
     role = role_target(args.role or effective_role(config), profile.lengths,
                        profile.target_concurrency, chunked_prefill=args.chunked_prefill_size)
