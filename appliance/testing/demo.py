@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 from appliance.auth.bootstrap import bootstrap_file, ensure_first_admin
 from appliance.cli import main as cli_main
 from appliance.cli import serve
-from appliance.config import DEV_ROOT, load_config
+from appliance.config import DEV_ROOT, engine_url, load_config
 from appliance.db.database import Database
 from appliance.engine.records import get_desired, list_runs, set_desired
 from appliance.engine.runner import ProcessRunner
@@ -40,7 +40,7 @@ from appliance.testing.checkpoint import write_checkpoint
 from appliance.testing.demo_accounts import VIEWER, demo_viewer
 from appliance.testing.demo_curl import curl_example
 from appliance.testing.demo_health import HOT_CELSIUS, HOT_GPU, hot_gpu_episode, webhook_sink
-from appliance.testing.fake_gpus import FakeGpus
+from appliance.testing.fake_gpus import FakeGpus, metrics_activity
 from appliance.weights import records as weights_records
 
 DEMO_MODEL = "moonshotai/Kimi-K3"
@@ -235,7 +235,9 @@ def run_demo(hub_url: str, alerts: Path) -> int:
     os.environ.setdefault("FAKE_SGLANG_GPU_STATE", str(gpu_state))
     os.environ.setdefault("FAKE_SGLANG_LOAD_SECONDS", "60")
     try:
-        gpus = FakeGpus(state_file=gpu_state)
+        # Busy as the engine is (its /metrics), not as full as its memory: idle when idle.
+        gpus = FakeGpus(state_file=gpu_state,
+                        activity=metrics_activity(f"{engine_url(config)}/metrics"))
         with children(gateway_url, keyfile), hot_gpu_episode(
                 gpus, after_seconds=HOT_AFTER, lasts_seconds=HOT_LASTS):
             return serve(config, gpus=gpus)

@@ -33,7 +33,7 @@ from appliance.auth.roles import Role
 from appliance.cli import main as cli_main
 from appliance.cli import serve
 from appliance.clock import SystemClock
-from appliance.config import Config, dev_paths, load_config
+from appliance.config import Config, dev_paths, engine_url, load_config
 from appliance.db.database import Database
 from appliance.db.models import AdminUser
 from appliance.engine.args import model_dir
@@ -41,7 +41,7 @@ from appliance.errors import ApplianceError
 from appliance.testing.checkpoint import write_checkpoint
 from appliance.testing.demo import demo_keys, want_engine_running_once
 from appliance.testing.demo_accounts import demo_viewer
-from appliance.testing.fake_gpus import FakeGpus
+from appliance.testing.fake_gpus import FakeGpus, metrics_activity
 from appliance.weights.importer import manifest_from_dir
 from appliance.weights.service import WeightsService
 
@@ -278,4 +278,6 @@ def run_box(root: Path, name: str, *, fast: bool, metrics_port: int | None) -> i
         config = dataclasses.replace(config, cell=dataclasses.replace(
             config.cell, router_metrics_port=metrics_port))
     polls: dict[str, Any] = dict(FAST_POLLS) if fast else {}
-    return serve(config, gpus=FakeGpus(state_file=gpu_state), router_options=router, **polls)
+    gpus = FakeGpus(state_file=gpu_state,  # busy as its engine is, idle when idle
+                    activity=metrics_activity(f"{engine_url(config)}/metrics"))
+    return serve(config, gpus=gpus, router_options=router, **polls)

@@ -17,14 +17,17 @@ writes what its pretend GPUs hold as it loads and serves:
 
 Listed GPUs report those figures; a listed process that has exited is dropped and, as on real
 GPUs, its memory is freed (a GPU whose listed processes are all gone reads idle). A GPU the
-emulator's live processes hold is busy: its utilisation, power and temperature rise with the
-share of its memory in use (weights loading, then full pools while serving) and drift on a
-slow wave offset per GPU, so the demo's charts move; the figures are a pure function of that
-share, the GPU's index and `clock.monotonic()` (no randomness). An entry may also carry
-"temperature_c", "power_w" and "utilization_pct" (non-negative numbers), which replace the
-derived ones. A missing or malformed file (not JSON, wrong shape, wrong types) means idle
-GPUs. Knobs win over the file. The writer should replace the file atomically (temporary file,
-then rename) so a reader never sees half of it.
+emulator's live processes hold is busy: its utilisation, power and temperature rise with its
+work and drift on a slow wave offset per GPU, so the demo's charts move; the figures are a
+pure function of that work, the GPU's index and `clock.monotonic()` (no randomness). The work
+is the engine's load when `activity=` is given (a callable returning 0..1, e.g.
+`metrics_activity(url)`, which reads the engine's own `/metrics`: its running share of
+`max_running_requests`, full while requests queue), so a GPU holding full pools with nothing
+running reads idle, as a real one does; without it, the share of its memory in use. An entry
+may also carry "temperature_c", "power_w" and "utilization_pct" (non-negative numbers), which
+replace the derived ones. A missing or malformed file (not JSON, wrong shape, wrong types)
+means idle GPUs. Knobs win over the file. The writer should replace the file atomically
+(temporary file, then rename) so a reader never sees half of it.
 """
 
 from __future__ import annotations
@@ -33,11 +36,14 @@ import dataclasses
 import datetime as dt
 import json
 import math
+import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
+import httpx
 import psutil
 
 from appliance.clock import Clock, SystemClock
@@ -104,11 +110,14 @@ _WAVE_SECONDS = 300.0
 
 
 def _busy(load: float, index: int, at: float) -> dict[str, Any]:
-    """What GPU `index` reports at monotonic time `at` while the emulator holds `load` (0..1)
-    of its memory. At full pools (load ~0.95) it swings between about 50% and 90%
-    utilisation, 700 and 950 W of the 1100 W limit and 60 and 72 °C: busy, and below every
-    warning line, so a demo box stays healthy until a knob says otherwise."""
+    """What GPU `index` reports at monotonic time `at` doing `load` (0..1) of its work: the
+    engine's load, or the share of its memory the emulator holds; 0 is idle. Near full load
+    it swings between about 50% and 90% utilisation, 700 and 950 W of the 1100 W limit and
+    60 and 72 °C: busy, and below every warning line, so a demo box stays healthy until a
+    knob says otherwise."""
     load = max(0.0, min(1.0, load))
+    if load == 0.0:
+        return {}  # holding memory is not work: idle figures
     wave = 0.5 + 0.5 * math.sin(2 * math.pi * at / _WAVE_SECONDS + 0.8 * index)
     return {
         "utilization_pct": round(load * (55.0 + 40.0 * wave), 1),
@@ -116,6 +125,34 @@ def _busy(load: float, index: int, at: float) -> dict[str, Any]:
         "temperature_c": round(_IDLE_TEMPERATURE_C + load * (28.0 + 12.0 * wave), 1),
         "throttle_reasons": () if load else _IDLE["throttle_reasons"],  # not idle any more
     }
+
+
+def metrics_activity(url: str, *, timeout: float = 1.0) -> Callable[[], float]:
+    """The engine's load from its Prometheus `/metrics` at `url` (open on SGLang and the
+    emulator alike): `sglang:utilization` (running requests over `max_running_requests`),
+    1.0 while requests queue, 0.0 when it does not answer (nothing can be running). Each
+    call reads it once (blocking; `FakeGpus.snapshot` runs in a worker thread)."""
+
+    def read() -> float:
+        try:
+            text = httpx.get(url, timeout=timeout).text
+        except httpx.HTTPError:
+            return 0.0
+        figures: dict[str, str] = {}
+        for name, value in _METRIC.findall(text):
+            figures.setdefault(name, value)
+        try:
+            if float(figures.get("num_queue_reqs", "0")) > 0:
+                return 1.0
+            return max(0.0, min(1.0, float(figures.get("utilization", "0"))))
+        except ValueError:
+            return 0.0
+
+    return read
+
+
+# A gauge line: `sglang:NAME{labels} VALUE` (the first one of each name, rank 0's, counts).
+_METRIC = re.compile(r"^sglang:(utilization|num_queue_reqs)(?:\{[^}]*\})? (\S+)$", re.M)
 
 
 def _bus_id(index: int) -> str:
@@ -150,6 +187,7 @@ class FakeGpus:
         cuda_version: str = FAKE_CUDA_VERSION,
         state_file: Path | None = None,
         clock: Clock | None = None,
+        activity: Callable[[], float] | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self._clock = clock or SystemClock()
@@ -164,6 +202,7 @@ class FakeGpus:
         self._hanging = False
         self._release = threading.Event()
         self.state_file = state_file
+        self.activity = activity  # blocking: snapshot() runs off the event loop
 
     # -- knobs -------------------------------------------------------------------------------
 
@@ -273,6 +312,10 @@ class FakeGpus:
             return GpuSnapshot.unavailable(*failure)
         followed = self._follow() if self.state_file is not None else {}
         at = self._clock.monotonic()
+        # A few running requests already keep a GPU visibly busy (decode is memory-bound: any
+        # batch runs kernels most of the time), hence the square root of the running share.
+        work = math.sqrt(max(0.0, self.activity())) \
+            if self.activity is not None and followed else None
         infos = []
         for index, (uuid, name, total, bus, used, extra, lost, knobs) in enumerate(gpus):
             if lost:
@@ -285,7 +328,8 @@ class FakeGpus:
             in_use = min(total, base_used + sum(p.used_bytes for p in extra))
             # Only the emulator's live processes make a GPU busy; a process added by a knob
             # (a stranger, in tests) leaves the idle figures alone.
-            busy = _busy(base_used / total, index, at) if base_processes and total else {}
+            busy = _busy(base_used / total if work is None else work, index, at) \
+                if base_processes and total else {}
             fields = {"pci_bus_id": bus, **_IDLE, **busy, **figures, **knobs}
             infos.append(GpuInfo(index=index, uuid=uuid, name=name, memory_total_bytes=total,
                                  memory_used_bytes=in_use, processes=processes, **fields))
