@@ -11,16 +11,10 @@ import pytest
 
 from appliance.config import Config, GatewayConfig, load_config
 from appliance.engine.args import Origin, build_launch_spec, inputs_from_config
-from appliance.engine.priority import (
-    AUTO_CONCURRENCY,
-    preemption_threshold,
-    priority_args,
-    priority_on,
-    request_priority,
-)
+from appliance.engine.priority import AUTO_CONCURRENCY, preemption_threshold, priority_args
 from appliance.engine.validate import check_argv
 from appliance.gateway.classes import BATCH, INTERACTIVE, effective, parse_classes
-from appliance.gateway.priority import with_priority
+from appliance.gateway.priority import priority_on, request_priority, with_priority
 
 SGLANG = ("/opt/appliance/engine/bin/sglang",)
 

@@ -1,11 +1,12 @@
 """The engine's priority-scheduling flags, chosen from the service classes (issue 24). Pure.
 
-When: the operator configured service classes (`[gateway.classes.NAME]` tables, so
-`config.gateway.classes` is not empty) and the classes in force (`classes.effective`) hold
-more than one distinct priority. Otherwise there is nothing to order and no flag is added, so
-a box without classes keeps its argv and its spec hash. The flags depend only on the classes'
-priorities and preemptibility and on the gateway's queue bounds: changing a class's SLO or
-share does not change the spec (no engine restart for it).
+When (`appliance.gateway.priority.priority_on`, which also decides whether the gateway adds
+each request's priority): the operator configured service classes (`[gateway.classes.NAME]`
+tables, so `config.gateway.classes` is not empty) and the classes in force
+(`classes.effective`) hold more than one distinct priority. Otherwise there is nothing to
+order and no flag is added, so a box without classes keeps its argv and its spec hash. The
+flags depend only on the classes' priorities and preemptibility and on the gateway's queue
+bounds: changing a class's SLO or share does not change the spec (no engine restart for it).
 
 The flags (SGLang 0.5.23, srt/arg_groups/fields/schedule.py; the scheduler's use of them in
 managers/scheduler.py and schedule_policy.py):
@@ -42,25 +43,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from appliance.gateway.classes import INTERACTIVE, ServiceClass, effective
+from appliance.gateway.priority import priority_on
 
 # The concurrency assumed while gateway.max_concurrency is 0 (the qualified point or the
 # engine's slot count, known only once the engine runs): above any K3 box's slot count, so
 # the engine's queue bound never binds before the gateway's.
 AUTO_CONCURRENCY = 1024
 INT64 = (-(1 << 63), (1 << 63) - 1)  # SGLang refuses a priority outside (tokenizer_manager)
-
-
-def priority_on(configured: Mapping[str, ServiceClass]) -> bool:
-    """Whether the engine runs with priority scheduling for these configured classes."""
-    if not configured:
-        return False
-    return len({c.priority for c in effective(configured).values()}) > 1
-
-
-def request_priority(configured: Mapping[str, ServiceClass], cls: ServiceClass) -> int | None:
-    """The `priority` a request of `cls` carries to the engine; None when priority
-    scheduling is off (the request is forwarded as it came)."""
-    return cls.priority if priority_on(configured) else None
 
 
 def preemption_threshold(classes: Mapping[str, ServiceClass]) -> int | None:

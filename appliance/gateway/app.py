@@ -23,7 +23,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -37,6 +37,7 @@ from appliance.gateway.errors import GatewayError, stream_cut
 from appliance.gateway.keycache import presented_key
 from appliance.gateway.keys import KeyEntry
 from appliance.gateway.parts import GatewayParts
+from appliance.gateway.priority import priority_on, with_priority
 from appliance.gateway.qualified import retry_after
 from appliance.gateway.sse import StreamMeter, Usage, usage_of
 from appliance.gateway.usage import UsageRecord
@@ -86,6 +87,8 @@ class GatewayApp:
         self.recent_durations: deque[float] = deque(maxlen=RECENT_DURATIONS)
         self.classes = ClassGate(parts.admission, effective(parts.config.gateway.classes),
                                  self.queue_wait, parts.metrics)
+        # the engine was launched with priority scheduling for these classes (engine/priority)
+        self.engine_priority = priority_on(parts.config.gateway.classes)
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -330,6 +333,9 @@ class GatewayApp:
             refusal = parts.gate.refusal()  # the engine may have begun to stop meanwhile
             if refusal is not None:
                 raise refusal
+            if self.engine_priority and parsed.endpoint.generates:
+                parsed = replace(parsed, body=with_priority(parsed.body, parsed.endpoint.path,
+                                                            cls.priority))
             await self._forward(ex, parsed, headers, send)
         finally:
             if parsed.endpoint.generates:

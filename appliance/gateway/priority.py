@@ -20,10 +20,29 @@ is spliced in before the closing brace), so a large prompt is not decoded and en
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import msgspec
+
+from appliance.gateway.classes import ServiceClass, effective
 
 PRIORITY_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
 FIELD = b'"priority"'
+
+
+def priority_on(configured: Mapping[str, ServiceClass]) -> bool:
+    """Whether the engine runs with priority scheduling (`appliance.engine.priority`) and so
+    the gateway adds priorities: classes configured (`config.gateway.classes` not empty) and
+    more than one distinct priority among the classes in force."""
+    if not configured:
+        return False
+    return len({c.priority for c in effective(configured).values()}) > 1
+
+
+def request_priority(configured: Mapping[str, ServiceClass], cls: ServiceClass) -> int | None:
+    """The `priority` a request of `cls` carries to the engine; None when priority
+    scheduling is off (the request is forwarded as it came)."""
+    return cls.priority if priority_on(configured) else None
 
 
 def with_priority(body: bytes, path: str, priority: int | None) -> bytes:
