@@ -130,6 +130,12 @@ def qualified(seeded: Runtime) -> str:
     return f"/qualify/{record.id}"
 
 
+# Health's "What it found" wrapped to a word a line on a phone (a 52rem table squeezed).
+FOUND_WIDTH = """() => Math.min(10000, ...[...document.querySelectorAll(
+  'table.health-checks td:nth-child(3)')].map(td => td.getBoundingClientRect().width)
+  .filter(w => w > 0))"""
+
+
 # At 1440 px the step table's last columns (failures, KV and state peaks) were past its box.
 STEPS_FIT = """() => [...document.querySelectorAll('table.qualify-steps')]
   .filter(t => t.scrollWidth > t.parentElement.clientWidth + 1)
@@ -155,6 +161,10 @@ def test_every_page_fits_its_window(tab: Page, server: LiveServer, qualified: st
         expect(tab.locator("main h1").first).to_be_visible()
         tab.wait_for_load_state("networkidle")
         problems += fits(tab, f"{path} at {width} px") + in_view(tab, f"{path} at {width} px")
+        narrow = tab.evaluate(FOUND_WIDTH)
+        if narrow < min(width * 0.5, 300):
+            problems.append(f"{path} at {width} px: a check's findings are {narrow} px wide "
+                            "(a word a line)")
         if width >= 1440 and (cut := tab.evaluate(STEPS_FIT)):
             problems.append(f"{path} at {width} px: the step table is cut: {cut}")
         shot(tab, f"layout-{width}{path.replace('/', '-') or '-dashboard'}")
