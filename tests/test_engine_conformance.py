@@ -382,6 +382,20 @@ def test_native_generate(serving: Subject) -> None:
     assert meta["finish_reason"]["type"] == "length"
 
 
+def test_a_priority_field_is_served_with_priority_scheduling_off(serving: Subject) -> None:
+    # 0.5.23 ignores a request's `priority` without --enable-priority-scheduling (it refuses
+    # one only under --abort-on-priority-when-disabled); the product's argv here has no
+    # service classes, so neither engine orders by it, and both must serve it
+    with serving.http() as http:
+        replies = [http.post("/v1/chat/completions",
+                             json=chat(serving.model, max_tokens=2, priority=10)),
+                   http.post("/v1/completions", json={"model": serving.model, "prompt": "Hi",
+                                                      "max_tokens": 2, "priority": 0}),
+                   http.post("/generate", json={"text": "Hi", "priority": -3,
+                                                "sampling_params": {"max_new_tokens": 2}})]
+    assert [r.status_code for r in replies] == [200, 200, 200], [r.text for r in replies]
+
+
 # -- errors ----------------------------------------------------------------------------------
 
 def test_bad_requests_get_sglangs_error_body(serving: Subject) -> None:
