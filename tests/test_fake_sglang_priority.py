@@ -242,3 +242,55 @@ def test_over_http_the_queue_runs_by_priority_and_refuses_when_full(emulator: Em
     assert order.index("low") < order.index("first") < order.index("bumped") \
         < order.index("high")  # the queue ran by priority, not by arrival
     assert got["bad"].status_code == 400 and "priority" in got["bad"].json()["message"]
+
+
+@pytest.fixture(scope="module")
+def modelled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+    """The performance model, with the product's flags for the default classes as the real
+    engine's tier test runs them (tests/test_real_engine_priority.py): one slot, a queue of
+    one, preemption above a difference of 0."""
+    model_dir = small_model(tmp_path_factory.mktemp("model"), shard_bytes=1 << 16)
+    emu = Emulator(tmp_path_factory.mktemp("modelled"),
+                   [str(model_dir), "--max-running-requests", "1", "--enable-priority-scheduling",
+                    "--default-priority-value", "10", "--priority-scheduling-preemption-threshold",
+                    "0", "--retraction-policy", "priority", "--max-queued-requests", "1"],
+                   FAKE_SGLANG_LOAD_SECONDS="1", FAKE_SGLANG_PERF="k3-b300",
+                   FAKE_SGLANG_TIME_SCALE="1")
+    try:
+        emu.wait_ready()
+        yield emu
+        emu.stop_cleanly()
+    finally:
+        emu.kill()
+
+
+def test_the_model_preempts_for_a_higher_priority_as_the_real_engine_does(
+        modelled: Emulator) -> None:
+    finished: list[str] = []
+    long = 400
+
+    async def ask(client: httpx.AsyncClient, name: str, path: str,
+                  body: dict[str, object]) -> httpx.Response:
+        reply = await client.post(path, json=body)
+        finished.append(name)
+        return reply
+
+    async def scenario() -> dict[str, httpx.Response]:
+        async with httpx.AsyncClient(base_url=modelled.url, timeout=120) as client:
+            tasks = {"batch": asyncio.ensure_future(ask(client, "batch", "/v1/chat/completions", {
+                "model": "k3", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": long, "ignore_eos": True, "priority": 0}))}
+            await until(client, 1, 0)
+            tasks["queued"] = asyncio.ensure_future(ask(client, "queued", "/v1/completions", {
+                "model": "k3", "prompt": "a b", "max_tokens": 4, "priority": 0}))
+            await until(client, 1, 1)
+            tasks["urgent"] = asyncio.ensure_future(ask(client, "urgent", "/generate", {
+                "text": "c d", "sampling_params": {"max_new_tokens": 4}, "priority": 10}))
+            return dict(zip(tasks, await asyncio.gather(*tasks.values()), strict=True))
+
+    got = asyncio.run(scenario())
+    assert got["queued"].status_code == 503
+    assert got["queued"].json()["message"] == ABORTED_BY_HIGHER
+    assert got["urgent"].status_code == 200 and got["batch"].status_code == 200
+    assert finished.index("urgent") < finished.index("batch")
+    assert got["batch"].json()["usage"]["completion_tokens"] == long  # preempted, resumed
