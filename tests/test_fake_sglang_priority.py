@@ -165,6 +165,28 @@ def test_retraction_by_priority_retracts_the_lowest_first() -> None:
     assert not scheduler.busy
 
 
+def test_a_retracted_request_finding_the_queue_full_is_aborted_as_in_sglang() -> None:
+    """SGLang re-queues a retracted request through `_add_request_to_queue`, where the queue
+    bound applies: at a full queue of a higher priority, the retracted one is aborted."""
+    model = replace(K3_B300, kv_tokens=3 * 1100, waiting_timeout=0.0,
+                    init_new_token_ratio=0.05, min_new_token_ratio=0.05)
+    policy = replace(ON, retract_by_priority=True, max_queued=1)
+    scheduler = Scheduler(model, max_running=8, policy=policy)
+    for key, priority in (("low", 0), ("high", 10), ("mid", 5)):
+        assert scheduler.add(seq(key, priority, prompt=1000, target=300), 0.0) == {}
+        step = scheduler.step(0.0)  # admitted one by one: the bound counts the queue only
+        assert step is not None
+    assert scheduler.add(seq("wait", 5, prompt=1000, target=300), 0.0) == {}
+    now, failed = 0.0, {}
+    while not failed:
+        step = scheduler.step(now)
+        assert step is not None
+        failed = step.failed
+        now = step.ends
+    assert step.retracted == ("low",) and failed == {"low": QUEUE_FULL}
+    assert [s.key for s in scheduler.waiting] == ["wait"] and "low" not in scheduler.running
+
+
 def test_the_scheduler_applies_max_queued_requests() -> None:
     scheduler = Scheduler(MODEL, max_running=1, policy=replace(ON, max_queued=2))
     assert scheduler.add(seq("a", 0), 0.0) == {}

@@ -29,8 +29,9 @@ sorts the queue by priority then queue-entry time; when the running count is at 
 the head of the queue preempts running requests more than the threshold below it (they free
 their KV and are queued again after this step's admissions, as SGLang re-adds its
 `preempt_list`); step 3 retracts the lowest priority first under `--retraction-policy
-priority`; and `add` applies `--max-queued-requests` (refusing the newcomer or, with priority
-scheduling, aborting a lower-ranked waiting request).
+priority`; and `--max-queued-requests` applies wherever a request enters the queue (`add`, a
+preempted or retracted one going back): the newcomer is refused or, with priority
+scheduling, a lower-ranked waiting request aborted for it (both in `failed`).
 
 Invariants: `used_tokens <= kv_tokens` after every step; a request is in exactly one of
 waiting and running until it finishes, fails or is cancelled; tokens only ever add up to the
@@ -141,14 +142,20 @@ class Scheduler:
         lower-ranked waiting request), key to SGLang's 503 message."""
         seq.queued_at = now
         seq.to_prefill = seq.prompt - seq.cached
+        return self._queue(seq)
+
+    def _queue(self, seq: Seq) -> dict[str, str]:
+        """SGLang's `_add_request_to_queue`, which a preempted or retracted request passes
+        through again: `--max-queued-requests` may abort it, or a waiting one for it."""
         verdict = self.policy.on_full_queue(seq, self.waiting)
-        if verdict is not None:
-            self.failed_total += 1
-            if verdict[0] == seq.key:
-                return dict([verdict])
+        if verdict is None:
+            self._enqueue(seq)
+            return {}
+        self.failed_total += 1
+        if verdict[0] != seq.key:
             self.waiting = deque(s for s in self.waiting if s.key != verdict[0])
-        self._enqueue(seq)
-        return dict([verdict]) if verdict is not None else {}
+            self._enqueue(seq)
+        return dict([verdict])
 
     def cancel(self, key: str) -> None:
         """The client went away: forget the request wherever it is."""
@@ -177,6 +184,8 @@ class Scheduler:
         """The next engine iteration at model time `now`, or None when there is no work."""
         failed = self._timeouts(now)
         prefill = self._prefill(now)
+        for seq in self._preempted:  # queued again after this step's admissions
+            failed.update(self._queue(seq))
         first = {key for key, _ in prefill if self.running[key].to_prefill == 0}
         decoders = [s for s in self.running.values()
                     if s.to_prefill == 0 and s.key not in first]
@@ -185,7 +194,7 @@ class Scheduler:
         log: list[str] = []
         if decoders and self.pool_tokens - self.used_tokens < need:
             old = self.new_token_ratio
-            retracted = self._retract(decoders, need, now)
+            retracted = self._retract(decoders, need, now, failed)
             decoders = [s for s in decoders if s not in retracted]
             log.append(f"KV cache pool is full. Retract requests. #retracted_reqs: "
                        f"{len(retracted)}, #aborted_retracted_reqs: 0, #new_token_ratio: "
@@ -283,8 +292,6 @@ class Scheduler:
             seq.kv += count
             if seq.to_prefill:
                 self.chunked = seq
-        for seq in self._preempted:  # queued again after this step's admissions
-            self._enqueue(seq)
         return chunks
 
     def _preempt_for(self, seq: Seq, admitted: set[str], now: float) -> bool:
@@ -317,7 +324,8 @@ class Scheduler:
         seq.to_prefill = seq.prompt + seq.generated
         seq.queued_at = now  # SGLang restarts the waiting clock when it re-queues one
 
-    def _retract(self, decoders: list[Seq], need: int, now: float) -> list[Seq]:
+    def _retract(self, decoders: list[Seq], need: int, now: float,
+                 failed: dict[str, str]) -> list[Seq]:
         """SGLang's `retract_decode`: retract until this step's tokens fit (at least one,
         never the last), then re-estimate new_token_ratio from what stays."""
         order = sorted(decoders, reverse=True, key=lambda s: self.policy.retraction_key(
@@ -330,7 +338,7 @@ class Scheduler:
             need -= per_request
             self._release(seq, now)
             seq.retractions += 1
-            self._enqueue(seq)
+            failed.update(self._queue(seq))
             retracted.append(seq)
             self.retracted_total += 1
         requested = sum(s.target for s in self.running.values()) or 1
