@@ -44,14 +44,14 @@ ENGINE = "/api/v1/engine"
 
 @contextlib.contextmanager
 def engine_server(root: Path, monkeypatch: pytest.MonkeyPatch,
-                  load_seconds: str = "3") -> Iterator[LiveServer]:
+                  load_seconds: str = "3", **env: str) -> Iterator[LiveServer]:
     """A live server over a dev box (process runner, emulator command, tiny model, free
     ports). On exit the daemon stops and then the engine's process group is killed."""
     gpu_state = root / "gpus.json"
     monkeypatch.setenv("FAKE_SGLANG_LOAD_SECONDS", load_seconds)
     monkeypatch.setenv("FAKE_SGLANG_GPU_STATE", str(gpu_state))
     monkeypatch.delenv("FAKE_SGLANG_FAULT", raising=False)
-    config = engine_config(root / "box")
+    config = engine_config(root / "box", **env)  # env: extra APPLIANCE_* values
     db = Database(config.database_url)
     migrate(db, migrations_dir(), config.paths.state_dir / "backups", SystemClock().now())
     prove_weights(config, db)

@@ -30,10 +30,16 @@ SHORT = ["--ladder", "1,2,4", "--repeats", "1", "--input-tokens", "64", "--outpu
 
 
 @pytest.fixture
-def ready_box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[LiveServer,
-                                                                                Console]]:
-    """A daemon whose engine emulator is READY, and a logged-in console session."""
-    with engine_server(tmp_path, monkeypatch) as live:
+def ready_box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest,
+              ) -> Iterator[tuple[LiveServer, Console]]:
+    """A daemon whose engine emulator is READY, and a logged-in console session. An indirect
+    parameter (a dict) sets FAKE_SGLANG_* for the emulator and APPLIANCE_* for the box."""
+    env: dict[str, str] = getattr(request, "param", {})
+    for name, value in env.items():
+        if name.startswith("FAKE_SGLANG_"):
+            monkeypatch.setenv(name, value)
+    with engine_server(tmp_path, monkeypatch, **{k: v for k, v in env.items()
+                                                if k.startswith("APPLIANCE_")}) as live:
         add_admin(live.runtime)
         console = Console(live.base_url)
         assert console.login().status_code == 303

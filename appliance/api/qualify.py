@@ -35,7 +35,8 @@ class RunBody:
     """A qualification's settings; every field has the issue's default."""
 
     floor: float = 32.0
-    ttft_p90_max: float | None = None
+    ttft_p90_max: float | None = None  # absent: the interactive class's TTFT SLO, if any
+    no_ttft_slo: bool = False          # true: hold the floor alone, whatever the classes say
     repeats: int = 3
     ladder: list[int] | None = None
     workload: str = "harsh"
@@ -47,7 +48,8 @@ class RunBody:
 
     def request(self) -> QualifyRequest:
         return QualifyRequest(
-            floor=self.floor, ttft_p90_max=self.ttft_p90_max, repeats=self.repeats,
+            floor=self.floor, ttft_p90_max=self.ttft_p90_max,
+            ttft_from_class=not self.no_ttft_slo, repeats=self.repeats,
             ladder=tuple(self.ladder) if self.ladder else None, workload=self.workload,
             input_tokens=self.input_tokens, output_tokens=self.output_tokens,
             wedge_seconds=self.wedge_seconds, continue_from=self.continue_from)

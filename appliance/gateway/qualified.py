@@ -83,12 +83,17 @@ class QualifiedPoint:
     at: dt.datetime  # when it finished
     batch_seconds: float | None  # a full batch at the point, start to last token (median)
     lower_bound: bool = False  # no step failed: the ladder stopped here, more may pass
+    # The TTFT SLO (p90, seconds) the point was held to (None: the floor alone). The point is
+    # the total the engine serves at both promises; each class's share caps its part of it.
+    ttft_slo: float | None = None
 
     def words(self) -> str:
         bound = (f"; at least {self.point}: the ladder stopped there with no step failing, "
                  "continue it to admit more" if self.lower_bound else "")
+        first = (f", first token within {self.ttft_slo:g} s" if self.ttft_slo is not None
+                 else "")
         return (f"qualified {self.at:%Y-%m-%d %H:%M:%S} UTC, floor {self.floor:g} tokens/s"
-                f"{bound}")
+                f"{first}{bound}")
 
 
 def point_of(record: Record) -> QualifiedPoint | None:
@@ -99,7 +104,7 @@ def point_of(record: Record) -> QualifiedPoint | None:
     batches = [r.seconds for r in step.rounds if r.seconds > 0] if step else []
     return QualifiedPoint(record.id, record.qualified, record.settings.floor,
                           record.ended_at or record.started_at, percentile(batches, 50),
-                          record.lower_bound)
+                          record.lower_bound, record.settings.ttft_p90_max)
 
 
 class QualifiedReader:
@@ -179,8 +184,11 @@ class AdmissionLimit:
                                "until": self.refusing_until.isoformat()}
         if self.qualified is not None:
             q = self.qualified
-            body["qualification"] = {"id": q.qid, "point": q.point, "floor": q.floor,
-                                     "at": q.at.isoformat(), "batch_seconds": q.batch_seconds}
+            held: dict[str, object] = {"id": q.qid, "point": q.point, "floor": q.floor,
+                                       "at": q.at.isoformat(), "batch_seconds": q.batch_seconds}
+            if q.ttft_slo is not None:
+                held["ttft_slo"] = q.ttft_slo
+            body["qualification"] = held
         return body
 
 

@@ -55,7 +55,10 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     run.add_argument("--floor", type=float, default=32.0,
                      help="decode tokens/s every user must keep, at p10 (default 32)")
     run.add_argument("--ttft-p90-max", type=float, default=None, metavar="S",
-                     help="time to first token ceiling at p90, seconds (default: none)")
+                     help="time to first token SLO at p90, seconds (default: the "
+                          "interactive class's TTFT SLO when one is configured, else none)")
+    run.add_argument("--no-ttft-slo", action="store_true",
+                     help="hold the decode floor alone, whatever the classes promise")
     run.add_argument("--repeats", type=int, default=3, help="rounds per step (default 3)")
     run.add_argument("--ladder", type=_ladder, default=None, metavar="1,2,4,…",
                      help="the concurrencies (default 1,2,4,8,16,24,32,48,64,… up to the "
@@ -103,7 +106,8 @@ def _print(args: argparse.Namespace, body: dict[str, Any], words: Any) -> int:
 
 
 def _body(args: argparse.Namespace) -> dict[str, Any]:
-    return {"floor": args.floor, "ttft_p90_max": args.ttft_p90_max, "repeats": args.repeats,
+    return {"floor": args.floor, "ttft_p90_max": args.ttft_p90_max,
+            "no_ttft_slo": bool(getattr(args, "no_ttft_slo", False)), "repeats": args.repeats,
             "ladder": args.ladder, "workload": args.workload,
             "input_tokens": args.input_tokens, "output_tokens": args.output_tokens,
             "wedge_seconds": args.wedge_seconds}
@@ -205,6 +209,10 @@ def describe_record(record: dict[str, Any]) -> str:
              + (f", TTFT p90 ≤ {settings['ttft_p90_max']:g} s" if settings["ttft_p90_max"]
                 else "") + f", {settings['repeats']} repeats per step"]
     lines += [step_line(s, settings["floor"]) for s in record.get("steps", [])]
+    if record.get("ttft_at_point") is not None:
+        slo = record.get("ttft_slo")
+        lines.append(f"  first token at the point: {record['ttft_at_point']:.2f} s (p90)"
+                     + (f", SLO {slo:g} s" if slo is not None else ", no TTFT SLO held"))
     lines.append(record["verdict"] or record["state"])
     if record["error"]:
         lines.append(f"error: {record['error']}")

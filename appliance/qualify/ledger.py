@@ -47,6 +47,14 @@ class Record:
         return self.state == "done" and lower_bound(
             self.qualified, self.steps, self.settings.max_running_requests)
 
+    @property
+    def ttft_at_point(self) -> float | None:
+        """The time to first token measured at the qualified point (p90, its worst repeat):
+        kept beside the SLO it was held to (`settings.ttft_p90_max`), both in the stored
+        settings and steps, so no column repeats them."""
+        step = next((s for s in self.steps if s.concurrency == self.qualified), None)
+        return None if step is None else step.ttft_p90
+
     def to_dict(self, *, steps: bool = True) -> dict[str, Any]:
         body: dict[str, Any] = {
             "id": self.id, "spec_hash": self.spec_hash, "state": self.state,
@@ -55,6 +63,7 @@ class Record:
             "started_by": self.started_by, "engine_version": self.engine_version,
             "tuning": self.tuning, "settings": self.settings.to_dict(),
             "qualified": self.qualified, "lower_bound": self.lower_bound,
+            "ttft_slo": self.settings.ttft_p90_max, "ttft_at_point": self.ttft_at_point,
             "verdict": self.verdict, "error": self.error}
         if steps:
             body["steps"] = [s.to_dict() for s in self.steps]

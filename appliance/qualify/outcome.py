@@ -10,6 +10,7 @@ from typing import Any
 
 from appliance.qualify import ledger, plan
 from appliance.qualify.climb import Climbed
+from appliance.qualify.promises import broken_words
 from appliance.qualify.verdict import Step, ended_words, qualified_point, verdict_words
 
 
@@ -19,6 +20,8 @@ class Request:
 
     floor: float = plan.DEFAULT_FLOOR
     ttft_p90_max: float | None = None
+    # no ttft_p90_max given: hold the interactive class's TTFT SLO (False: no TTFT SLO at all)
+    ttft_from_class: bool = True
     repeats: int = plan.DEFAULT_REPEATS
     ladder: tuple[int, ...] | None = None
     workload: str = "harsh"                 # harsh | profile:NAME | replay
@@ -99,6 +102,10 @@ def outcome(settings: plan.Settings, steps: tuple[Step, ...], climbed: Climbed,
         return state, None, ended_words(state, error)
     words = verdict_words(point, settings.floor, settings.ttft_p90_max, steps,
                           max_running=settings.max_running_requests, stopped=climbed.stopped)
+    failing = next((s for s in sorted(steps, key=lambda s: s.concurrency) if not s.passed),
+                   None)
+    if point is not None and failing is not None:  # which promise the point stopped short of
+        words += f"; {broken_words(failing, settings.floor, settings.ttft_p90_max)}"
     if climbed.retried:
         rounds = "round was" if climbed.retried == 1 else "rounds were"
         words += (f" ({climbed.retried} {rounds} measured again after the engine left "

@@ -60,6 +60,7 @@ from appliance.qualify.outcome import (
     summary,
     time_scale_of,
 )
+from appliance.qualify.promises import ttft_for
 from appliance.qualify.runner import LoadRunner
 from appliance.qualify.verdict import Step
 from appliance.secrets import read_engine_api_key
@@ -179,7 +180,9 @@ class QualifyService:
         try:
             steps = (plan.custom_ladder(request.ladder, limit) if request.ladder
                      else plan.ladder(limit or 0))
-            settings = plan.Settings(workload, steps, request.floor, request.ttft_p90_max,
+            ttft = ttft_for(request.ttft_p90_max, request.ttft_from_class,
+                            self.config.gateway.classes)
+            settings = plan.Settings(workload, steps, request.floor, ttft,
                                      request.repeats, request.wedge_seconds, limit,
                                      time_scale=scale)
         except plan.PlanError as exc:

@@ -22,6 +22,7 @@ from appliance.qualify.chart import render_chart
 from appliance.qualify.ledger import Record
 from appliance.qualify.outcome import Request as QualifyRequest
 from appliance.qualify.outcome import summary
+from appliance.qualify.promises import class_ttft
 from appliance.runtime import Runtime, runtime_of
 from appliance.ui.login import AdminRequest
 from appliance.ui.pages import GUARDED
@@ -64,7 +65,12 @@ async def _context(runtime: Runtime) -> dict[str, Any]:
     return {**HELPERS, "status": status, "progress": service.progress,
             "current": current, "chart": _chart(current), "history": await service.history(),
             "profiles": profiles, "engine_ready": status["engine_state"] == "ready",
-            "error": "", "error_hint": "", "confirm": None, "form": RunForm()}
+            "error": "", "error_hint": "", "confirm": None, "form": RunForm(
+                ttft_p90_max=_seconds_text(class_ttft(runtime.config.gateway.classes)))}
+
+
+def _seconds_text(value: float | None) -> str:
+    return "" if value is None else f"{value:g}"
 
 
 def _chart(record: Record | None) -> Markup | None:
@@ -106,6 +112,7 @@ class RunForm:
             return QualifyRequest(
                 floor=float(self.floor), repeats=int(self.repeats),
                 ttft_p90_max=float(self.ttft_p90_max) if self.ttft_p90_max.strip() else None,
+                ttft_from_class=False,  # the form shows the class's SLO; empty means none
                 ladder=ladder or None, workload=self.workload,
                 continue_from=int(self.continue_from) if self.continue_from else None)
         except ValueError:
