@@ -137,3 +137,47 @@ def test_the_monitor_polls_weights_in_its_own_group(config: Config, db: Database
         await runtime.health.close()
 
     asyncio.run(scenario())
+
+
+def test_a_full_verification_through_the_api_shows_on_health_without_check_now(
+        runtime: Runtime, logged_in: Console) -> None:
+    """Issue 23: the check said "not verified yet" for 5 minutes after the weights were
+    verified. The job's end re-judges it: the next read of /api/v1/health and the Health
+    card carry the verdict, with no "check now" and no scheduled poll in between."""
+    from tests.conftest import wait_for
+
+    folder, paths = record_verified_set(runtime)
+    set_id = runtime.db.call(records.active_set).id  # type: ignore[union-attr]
+    runtime.db.call(lambda s: records.set_full_verified(s, set_id, None))
+    pending = weights_of(check_now(logged_in))
+    assert pending["level"] == "warn" and "not verified yet" in pending["summary"], pending
+
+    def verify() -> dict[str, Any]:
+        started = logged_in.http.post("/api/v1/weights/verify", headers=csrf(logged_in),
+                                      json={"full": True, "rehash": True})
+        assert started.status_code == 202, started.text
+
+        def ended() -> dict[str, Any] | None:
+            # The job's end state, not a time: no job, and a verification verdict recorded.
+            view: dict[str, Any] = logged_in.http.get("/api/v1/weights/").json()
+            return view if not view["job"] and view["verification"] else None
+
+        body: dict[str, Any] = wait_for(ended, "the verification's end")
+        return body
+
+    assert verify()["verification"]["ok"]
+    verified = weights_of(logged_in.http.get(f"{API}/").json())
+    assert verified["level"] == "ok", verified
+    assert "the quick check passes now" in card(logged_in)
+
+    shard = next(p for p in paths if p.endswith(".safetensors"))
+    target = folder / shard
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the hash sees it
+    target.write_bytes(bytes(data))
+    assert not verify()["verification"]["ok"]
+    damaged = weights_of(logged_in.http.get(f"{API}/").json())
+    assert damaged["level"] == "critical" and shard in damaged["summary"], damaged
+    status = logged_in.http.get("/api/v1/weights/").json()
+    assert status["latest_check"]["kind"] == "full verification", status["latest_check"]
+    assert not status["latest_check"]["ok"]

@@ -370,7 +370,9 @@ class WeightsService:
 
     async def _begin(self, job: str, args: dict[str, Any], actor: str, what: str, *,
                      handover: bool = False) -> None:
-        if not handover and self._task is not None and not self._task.done():
+        # Busy while a job is named: a job that has finished (its verdict recorded, `job`
+        # empty in the status) may still be telling `on_job_end`, and is no reason to refuse.
+        if not handover and self._job and self._task is not None and not self._task.done():
             raise JobBusy(self._job)
         now = self.clock.now()
         await self.db.run(lambda s: records.set_control(s, at=now, by=actor, job=job,
@@ -410,6 +412,9 @@ class WeightsService:
 
     async def finish_job(self, *, failed: str | None = None, hint: str = "",
                          message: str = "") -> None:
+        # The records are final here: the check is judged again before the job reads ended,
+        # so whoever sees the job's end (page, API, CLI) sees the check's new verdict too.
+        await self._job_ended()
         now = self.clock.now()
         await self.db.run(lambda s: records.set_control(s, at=now, by="weights", job=""))
         job, self._job = self._job, ""
@@ -419,7 +424,6 @@ class WeightsService:
         else:
             self.set_activity(Activity.IDLE, message)
             await self.record_event("info", f"weights {job} finished: {message}")
-        await self._job_ended()
 
     async def _job_ended(self) -> None:
         """Tell `on_job_end` (the health check) the records changed; its failure is logged,
