@@ -81,6 +81,11 @@ def plural(n: int, word: str, many: str | None = None) -> str:
     return f"{n:,} {word if n == 1 else (many or word + 's')}"
 
 
+def percent_text(part: int, whole: int) -> str:
+    """`part` of `whole` as a percentage with one decimal ("96.2 %"); a dash for no whole."""
+    return "—" if whole <= 0 else f"{100 * part / whole:.1f} %"
+
+
 def duration_text(seconds: int | float | None) -> str:
     """A span in words, its two largest units: "45 seconds", "5 minutes 3 seconds",
     "2 hours 5 minutes", "3 days 4 hours". A dash when unknown; under a second is

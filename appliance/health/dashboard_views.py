@@ -17,6 +17,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from appliance.gateway.usage import ClassCount
 from appliance.gpu.port import GpuInfo
 from appliance.health.history import MuteView
 from appliance.health.model import (
@@ -41,7 +42,7 @@ from appliance.health.views import (
     seconds,
     share,
 )
-from appliance.sizes import GIB
+from appliance.sizes import GIB, percent_text, plural
 
 _GPU_CHECK = re.compile(r"gpu\.(\d+)\.(.+)")
 # A per-GPU check marks the table cell of its own name ("gpu.3.power"), or the one named here.
@@ -237,3 +238,36 @@ def dashboard(snapshot: HealthSnapshot, mutes: Mapping[str, MuteView], series: S
                      tuple(gpu_sparks(snapshot, series, now)),
                      engine_panel(snapshot.engine, series, now),
                      (gpus.error or "") if gpus else "", gpus.hint if gpus else "")
+
+
+GOODPUT_ALERT = 0.95  # below this share of requests served within their promise: a notice
+
+
+@dataclass(frozen=True)
+class GoodputLine:
+    """One service class's last hour on the dashboard, in the operator's words; `low`: under
+    GOODPUT_ALERT got their promise (the same line deploy/prometheus/slo-rules.yml alerts on)."""
+
+    name: str
+    words: str
+    low: bool
+
+
+def goodput_lines(counts: Sequence[ClassCount]) -> tuple[GoodputLine, ...]:
+    """Per class: the share of its requests that met its promises, were refused at once
+    (and why, by code) and missed it (first token late, stream too slow)."""
+    lines = []
+    for c in counts:
+        whole = c.judged
+        if not whole:
+            continue
+        missed = c.missed_ttft + c.missed_decode
+        why = [plural(n, one, many) for n, one, many in (
+            (c.missed_ttft, "first token late", "first tokens late"),
+            (c.missed_decode, "stream too slow", "streams too slow")) if n]
+        words = (f"{percent_text(c.met, whole)} got their promise ({c.met:,} of "
+                 f"{plural(whole, 'request')}), {percent_text(c.refused, whole)} refused at "
+                 f"once, {percent_text(missed, whole)} missed it"
+                 + (f" ({', '.join(why)})" if why else ""))
+        lines.append(GoodputLine(c.name, words, c.met / whole < GOODPUT_ALERT))
+    return tuple(lines)

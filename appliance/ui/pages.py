@@ -25,7 +25,9 @@ from appliance.cell.overview import Overview
 from appliance.config import describe
 from appliance.db.journal import SEVERITIES, list_audit, list_events
 from appliance.errors import ApplianceError
+from appliance.gateway.usage import class_counts
 from appliance.health.dashboard_views import dashboard as health_dashboard
+from appliance.health.dashboard_views import goodput_lines
 from appliance.runtime import Runtime, runtime_of
 from appliance.status import daemon_status
 from appliance.ui.login import (
@@ -68,13 +70,17 @@ async def dashboard(request: AdminRequest) -> Template:
     health = health_dashboard(board.snapshot, board.mutes, board.series, board.now)
     why = await engine_why(runtime)
     cell = await cell_summary(request, runtime)
+    now = runtime.clock.now()  # per class, the last hour's requests by what they got
+    goodput = goodput_lines(await runtime.db.run(
+        lambda s: class_counts(s, now - dt.timedelta(hours=1), now)))
     if _htmx(request):
         return Template("partials/dashboard_status.html", context={
-            "status": status, "health": health, "engine_why": why, "cell": cell})
+            "status": status, "health": health, "engine_why": why, "cell": cell,
+            "goodput": goodput})
     events = await runtime.db.run(lambda s: list_events(s, per_page=8))
     return Template("pages/dashboard.html", context={
         "status": status, "health": health, "events": events.items, "nav": "dashboard",
-        "engine_why": why, "cell": cell})
+        "engine_why": why, "cell": cell, "goodput": goodput})
 
 
 async def cell_summary(request: AdminRequest, runtime: Runtime) -> Overview | None:
