@@ -17,11 +17,13 @@ from typing import Any
 
 import pytest
 
+from appliance.cli import build_parser
 from appliance.gateway.admission import Admission
 from appliance.gateway.class_gate import ClassGate
 from appliance.gateway.classes import BATCH, INTERACTIVE, effective, parse_classes
 from appliance.gateway.metrics import GatewayMetrics
 from appliance.gateway.qualified import QualifiedPoint, admission_limit, point_of
+from appliance.qualify import cli as qualify_cli
 from appliance.qualify import ledger, plan
 from appliance.qualify.climb import Climbed
 from appliance.qualify.outcome import outcome
@@ -113,6 +115,15 @@ def test_the_ledger_keeps_the_slo_and_the_ttft_measured_at_the_point() -> None:
     assert point_of(back) is not None and point_of(back).ttft_slo == 1.5  # type: ignore[union-attr]
 
 
+def test_the_cli_asks_for_the_classes_slo_another_or_none() -> None:
+    def body(*argv: str) -> dict[str, Any]:
+        return qualify_cli._body(build_parser().parse_args(["qualify", "run", *argv]))
+
+    assert body()["ttft_p90_max"] is None and body()["no_ttft_slo"] is False  # the class's
+    assert body("--ttft-p90-max", "3")["ttft_p90_max"] == 3.0
+    assert body("--no-ttft-slo")["no_ttft_slo"] is True
+
+
 # -- live: the emulator, the API, the CLI's words ---------------------------------------------
 
 @pytest.mark.parametrize("ready_box", [{
@@ -151,6 +162,8 @@ def test_a_qualification_with_the_classes_ttft_slo_stops_where_the_first_token_i
     assert "over the SLO of 1.5 s) failed" in str(record["verdict"])
     assert record["ttft_slo"] == 1.5 and record["ttft_at_point"] == steps[0]["ttft_p90"]
     assert "First token at the point" in shown and "within its 1.5 s" in shown
+    assert (f"first token at the point: {steps[0]['ttft_p90']:.2f} s (p90), SLO 1.5 s"
+            in qualify_cli.describe_record(record))  # `appliance qualify show`
     # Declined: the same engine qualifies further on the floor alone.
     assert floor_only["settings"]["ttft_p90_max"] is None
     assert floor_only["qualified"] == 4 and floor_only["ttft_slo"] is None, floor_only
