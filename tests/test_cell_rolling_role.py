@@ -51,3 +51,21 @@ def test_the_cli_takes_no_role_and_names_the_default_in_its_help() -> None:
     assert result.returncode == 0, result.stderr
     assert "[{prefill,decode}]" in result.stdout  # optional, no fixed default
     assert "two ready engines" in " ".join(result.stdout.split())
+
+
+def test_the_console_form_offers_the_role_that_can_be_rolled_first() -> None:
+    # The Cell page's form preselected prefill, always refused in 1P+2D.
+    from types import SimpleNamespace
+    from typing import cast
+
+    from appliance.cell.overview import Overview
+    from appliance.ui.cell import rolling_choices
+
+    def overview(head: str, *members: str) -> Overview:
+        cards = [SimpleNamespace(member=SimpleNamespace(role=role, state="ready"))
+                 for role in members]
+        return cast(Overview, SimpleNamespace(
+            members=cards, head=SimpleNamespace(role=head, state="ready")))
+
+    assert rolling_choices(overview("prefill", "decode", "decode")) == ("decode", "prefill")
+    assert rolling_choices(overview("prefill", "prefill", "decode")) == ("prefill", "decode")

@@ -25,7 +25,9 @@ from appliance.api.cell_plan import plan_context
 from appliance.auth.middleware import client_address
 from appliance.cell.membership import ROLES
 from appliance.cell.ops import CellOps, cell_ops_of
+from appliance.cell.overview import Overview
 from appliance.cell.rolling import ROLLING_ROLES
+from appliance.cell.view import READY
 from appliance.errors import ApplianceError
 from appliance.runtime import runtime_of
 from appliance.ui.login import AdminRequest
@@ -42,8 +44,19 @@ def _ops(request: AdminRequest) -> CellOps:
 
 
 async def _status_context(request: AdminRequest) -> dict[str, Any]:
-    return {"cell": await _ops(request).overview(), "step_words": STEP_WORDS, "roles": ROLES,
-            "rolling_roles": ROLLING_ROLES}
+    overview = await _ops(request).overview()
+    return {"cell": overview, "step_words": STEP_WORDS, "roles": ROLES,
+            "rolling_roles": rolling_choices(overview)}
+
+
+def rolling_choices(overview: Overview) -> tuple[str, ...]:
+    """The rolling-restart form's roles, the one with the most READY engines first (the
+    decodes in 1P+2D: a one-engine role is always refused, so it is never the default)."""
+    engines = [(m.member.role, m.member.state) for m in overview.members]
+    engines.append((overview.head.role, overview.head.state))
+    ready = {role: sum(1 for r, state in engines if r == role and state == READY)
+             for role in ROLLING_ROLES}
+    return tuple(sorted(ROLLING_ROLES, key=lambda role: -ready[role]))
 
 
 @get("/cell", **GUARDED)
