@@ -55,6 +55,7 @@ def test_a_table_changes_only_the_keys_it_names() -> None:
     ({"interactive": {"colour": 1}}, "gateway.classes.interactive.colour", "one of"),
     ({"Big": {}}, "gateway.classes.Big", "lowercase"),
     ({"batch": {"priority": 1.5}}, "gateway.classes.batch.priority", "integer"),
+    ({"batch": {"priority": 2**63}}, "gateway.classes.batch.priority", "within"),
 ])
 def test_bad_classes_name_the_key_and_the_next_step(raw: dict[str, object], key: str,
                                                     expected: str) -> None:

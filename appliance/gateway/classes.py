@@ -115,9 +115,11 @@ def _one(name: str, body: Any, base: ServiceClass | None) -> ServiceClass:
                                "a fraction of the admitted slots above 0 and at most 1")
         values["share"] = share
     if "priority" in body:
-        if isinstance(body["priority"], bool) or not isinstance(body["priority"], int):
+        # SGLang 0.5.23 refuses every request whose priority is outside a signed 64-bit int
+        if isinstance(body["priority"], bool) or not isinstance(body["priority"], int) \
+                or not -(2**63) <= body["priority"] < 2**63:
             raise ClassProblem(f"{prefix}.priority", repr(body["priority"]),
-                               "an integer (larger runs first)")
+                               "an integer (larger runs first) within ±9,223,372,036,854,775,807")
         values["priority"] = body["priority"]
     if "preemptible" in body:
         if not isinstance(body["preemptible"], bool):
