@@ -146,6 +146,11 @@ def test_a_qualification_with_the_classes_ttft_slo_stops_where_the_first_token_i
         body: dict[str, Any] = console.http.get(f"{API}/{qid}").json()
         return body
 
+    bad = console.http.post(f"{API}/run", headers=csrf(console), json={
+        "ladder": [1], "ttft_p90_max": -1, "confirm": True})
+    assert bad.status_code == 422 and bad.json()["code"] == "qualify_invalid", bad.text
+    assert "ttft_p90_max: -1 s is not a usable ceiling" in bad.json()["detail"]
+    assert console.http.get(f"{API}/").json()["history"] == []  # nothing started or kept
     record = run()  # no ttft_p90_max: the interactive class's 1.5 s
     floor_only = run(ladder=[1, 4], no_ttft_slo=True)
     shown = console.http.get(f"/qualify/{record['id']}").text
