@@ -7,6 +7,7 @@ it the answer is 409 with the expected cost from this box's load history.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -43,11 +44,23 @@ class ActionBody:
     at: dt.datetime | None = None  # run in a maintenance window instead of now
 
 
-def engine_keys(runtime: Runtime) -> tuple[str, ...]:
-    """The engine keys this daemon holds in memory (the one it sends, the one the engine last
-    took), redacted wherever an engine log line or figure leaves through the API."""
+def engine_keys(runtime: Runtime, previous: str | None = None) -> tuple[str, ...]:
+    """The engine keys redacted by value wherever an engine log line or figure leaves through
+    the API: the two this daemon holds in memory (the one it sends, the one the engine last
+    took) and `previous`, the key a head's hand-over replaced (`previous_engine_key`): an
+    engine started before the hand-over logged that one, and the daemon may never have held
+    it."""
     keys = runtime.engine_keys
-    return tuple(key for key in (keys.current, keys.accepted) if key)
+    return tuple(key for key in (keys.current, keys.accepted, previous) if key)
+
+
+async def previous_engine_key(runtime: Runtime) -> str | None:
+    """`secrets/engine-api.key.previous`, read off the event loop; None when there is none."""
+    from appliance.cell.engine_key import previous_key_path
+    from appliance.secrets import read_key_file
+
+    path = previous_key_path(runtime.config.paths.state_dir)
+    return await asyncio.to_thread(read_key_file, path)
 
 
 @get("/", summary="Engine state, progress, memory table and launch figures")
@@ -56,7 +69,8 @@ async def engine_status(request: AdminRequest) -> dict[str, Any]:
 
     runtime = runtime_of(request)
     status = status_dict(runtime.supervisor.status)
-    status["log"] = redact_json(status["log"], engine_keys(runtime))
+    previous = await previous_engine_key(runtime)
+    status["log"] = redact_json(status["log"], engine_keys(runtime, previous))
     return {**status, **await engine_admission(runtime)}
 
 
@@ -111,7 +125,8 @@ async def engine_log(
 ) -> dict[str, Any]:
     runtime = runtime_of(request)
     shown = await tail(runtime.supervisor.log_path, lines, rank=rank, level=level)
-    return {"lines": redact_lines(shown, engine_keys(runtime))}
+    previous = await previous_engine_key(runtime)
+    return {"lines": redact_lines(shown, engine_keys(runtime, previous))}
 
 
 @get("/log/stream", summary="The engine log as server-sent events (new lines as they come)")
@@ -125,6 +140,7 @@ async def engine_log_stream(
     check = credential_check(request)
 
     opened = runtime.clock.monotonic()
+    previous = await previous_engine_key(runtime)  # read once a stream: a file, not memory
 
     async def lines() -> AsyncIterator[str | ServerSentEventMessage]:
         # The stream outlives the middleware's one check: it ends when its token is revoked
@@ -132,7 +148,7 @@ async def engine_log_stream(
         # request, not from the body's first read, which a loaded box starts later.
         async for line in while_authorised(follow(path, rank=rank, level=level), runtime,
                                            check, since=opened):
-            yield redact(line, engine_keys(runtime))
+            yield redact(line, engine_keys(runtime, previous))
         yield ServerSentEventMessage(
             event="unauthorized",
             data="the API token or session of this stream was revoked or has ended; "
