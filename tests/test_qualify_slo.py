@@ -21,6 +21,7 @@ from appliance.cli import build_parser
 from appliance.gateway.admission import Admission
 from appliance.gateway.class_gate import ClassGate
 from appliance.gateway.classes import BATCH, INTERACTIVE, effective, parse_classes
+from appliance.gateway.errors import GatewayError
 from appliance.gateway.metrics import GatewayMetrics
 from appliance.gateway.qualified import QualifiedPoint, admission_limit, point_of
 from appliance.qualify import cli as qualify_cli
@@ -96,6 +97,24 @@ def test_the_point_is_the_total_and_each_classes_share_caps_its_part() -> None:
     # A new point moves both: at 2, batch's half is 1 slot and the total 2.
     gate.admission.set_limit(admission_limit(64, QualifiedPoint(9, 2, 5.0, AT, 4.0)).limit)
     assert gate.admission.group_slots(batch.share) == 1 and gate.admission.limit == 2
+
+
+def test_before_it_has_served_anything_the_estimate_uses_the_qualified_batch_time() -> None:
+    """Right after a start the gateway has measured nothing: with the point's full batch (40
+    s at 2) as the service time, an interactive request behind a queue is refused at once;
+    unqualified it is admitted to the queue as before; once served, the gateway's own figure
+    wins."""
+    classes = effective(parse_classes({"interactive": {"ttft_slo_seconds": 5}}))
+    gate = ClassGate(Admission(2, 16), classes, 30.0, GatewayMetrics())
+    interactive = gate.of(INTERACTIVE)
+    assert gate.try_acquire(interactive, 1, 0) and gate.try_acquire(interactive, 1, 0)
+    gate.refuse_early(interactive, 0)  # nothing measured, no prior: no evidence, no refusal
+    gate.admission.service_prior = 40.0  # what the gateway's poll sets at a qualified point
+    with pytest.raises(GatewayError) as refused:
+        gate.refuse_early(interactive, 0)
+    assert refused.value.status == 429 and "about 20 s for a slot" in str(refused.value)
+    gate.served(held_seconds=2.0, prompt_tokens=0, engine_ttft_seconds=None)
+    gate.refuse_early(interactive, 0)  # its own 2 s per request: 1 s to a slot, admitted
 
 
 def test_the_ledger_keeps_the_slo_and_the_ttft_measured_at_the_point() -> None:

@@ -78,6 +78,10 @@ class Admission:
         self._ring: deque[int] = deque()  # keys with waiters, in round-robin order
         self.kv_free: int | None = None  # free KV tokens less prompts admitted since read
         self.group_use: dict[str, int] = {}  # weight admitted per group (service class)
+        # Seconds an admitted request holds its slot at the qualified point (a full batch
+        # there, from the qualification): the early refusal's estimate until the gateway has
+        # measured its own (None: not qualified, or the limit is not the point).
+        self.service_prior: float | None = None
 
     def set_limit(self, limit: int) -> None:
         """A new limit (the engine's capacity changed); a raise admits waiters at once."""

@@ -7,12 +7,15 @@ A request of class C takes a slot at once when one is free under the limit and u
 share and nobody of C's priority or above waits; otherwise, when C has a TTFT SLO and the
 estimate says it would miss it, it is refused at once (429 `slo_ttft_predicted_miss`, with
 Retry-After); otherwise it waits in the fair queue for at most C's allowance (its deadline,
-else its SLO, else gateway.queue_wait_seconds), then 429 `queue_timeout`.
+else its SLO, else gateway.queue_wait_seconds), then 429 `queue_timeout`. Until the gateway
+has served a request since it started, the estimate's service time is the qualification's: a
+full batch at the qualified point (`Admission.service_prior`, set with the limit).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 from appliance.gateway import slo
 from appliance.gateway.admission import Admission
@@ -44,7 +47,12 @@ class ClassGate:
 
     def refuse_early(self, cls: ServiceClass, tokens: int) -> None:
         """Raise the early 429 when `cls` has a TTFT SLO this request is predicted to miss."""
-        refusal = slo.admit(cls, self.outlook(cls, tokens), self.measures)
+        measures = self.measures
+        prior = self.admission.service_prior
+        if measures.service_seconds.value is None and prior is not None:
+            # nothing served yet since the start: the qualification's batch time at the point
+            measures = replace(measures, service_seconds=slo.Ewma(prior))
+        refusal = slo.admit(cls, self.outlook(cls, tokens), measures)
         if refusal is not None:
             raise GatewayError(429, slo.PREDICTED_MISS, refusal.message,
                                retry_after=refusal.retry_after)

@@ -45,6 +45,7 @@ from appliance.gateway.metrics import GatewayMetrics
 from appliance.gateway.polls import PollCount
 from appliance.gateway.qualified import (
     FALLBACK_LIMIT,
+    QUALIFIED,
     AdmissionLimit,
     QualifiedPoint,
     QualifiedReader,
@@ -167,6 +168,8 @@ class GatewayParts:
             return
         self.admission_limit = decided
         self.admission.set_limit(decided.limit)
+        point = decided.qualified if decided.source == QUALIFIED else None
+        self.admission.service_prior = point.batch_seconds if point else None
         log.info("%s", decided.words())
 
     async def _read_kv(self) -> None:
