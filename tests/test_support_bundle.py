@@ -497,3 +497,57 @@ def test_the_cli_bundle_says_why_when_no_daemon_answers(tmp_path: Path) -> None:
     readme = _readme(_members(out))
     assert "health/current.json" not in readme
     assert f"the daemon does not answer on port {config.server.port}" in readme
+
+
+PASSPHRASE = "planted passphrase: correct horse battery staple"
+PEM_BODY = "MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQCplantedPEMbody"
+
+
+def _pem(kind: str = "") -> str:
+    return (f"-----BEGIN {kind}PRIVATE KEY-----\n{PEM_BODY}\n{PEM_BODY[::-1]}\n"
+            f"-----END {kind}PRIVATE KEY-----")
+
+
+def test_the_backup_passphrase_file_is_never_read_and_its_value_is_redacted(
+        tmp_path: Path) -> None:
+    """The passphrase file misplaced as `*.log` in the log folder is refused, not collected,
+    and a line elsewhere that quotes the passphrase loses it (a value of `secret_files`)."""
+    config_path, _ = _plant(tmp_path)
+    log_dir = tmp_path / "log"
+    secret = log_dir / "backup-passphrase.log"
+    secret.write_text(PASSPHRASE + "\n")
+    secret.chmod(0o640)
+    with config_path.open("a") as handle:
+        handle.write(f"[backup]\npassphrase_file = {json.dumps(str(secret))}\n")
+    with (log_dir / "daemon.log").open("a") as handle:
+        handle.write(f"DEBUG backup: sealed with {PASSPHRASE}\n")
+    config = load_config(config_path, env={})
+    assert config.backup.passphrase_file == secret
+    out = tmp_path / "b.tar.gz"
+
+    build(config, out, actor="test", now=NOW, since=dt.timedelta(days=3650))
+
+    members = _members(out)
+    for name, data in members.items():
+        assert b"correct horse battery staple" not in data, name
+    assert "logs/backup-passphrase.log" not in members and "logs/daemon.log" in members
+    assert b"DEBUG backup: sealed with [redacted: backup.passphrase_file]" in (
+        members["logs/daemon.log"])
+    assert f"{secret}: a configured secret file" in _readme(members)
+
+
+@pytest.mark.parametrize("kind", ["", "RSA ", "EC ", "ENCRYPTED ", "OPENSSH "])
+def test_pem_private_key_blocks_are_redacted_wholesale(kind: str) -> None:
+    redactor = Redactor()
+    text = (f"INFO tls: loaded the key\n{_pem(kind)}\nINFO tls: listening on :8443\n"
+            "-----BEGIN CERTIFICATE-----\nMIIBcertificateIsPublic\n-----END CERTIFICATE-----\n")
+    redacted = redactor(text)
+    assert PEM_BODY not in redacted and PEM_BODY[::-1] not in redacted
+    assert redacted == ("INFO tls: loaded the key\n[redacted: private key]\n"
+                        "INFO tls: listening on :8443\n-----BEGIN CERTIFICATE-----\n"
+                        "MIIBcertificateIsPublic\n-----END CERTIFICATE-----\n")
+    # a tail that cut the END off, and a JSON string holding the block, lose the body too
+    cut = redactor(f"INFO dump\n{_pem(kind).rsplit(chr(10), 1)[0]}\n")
+    assert cut == "INFO dump\n[redacted: private key]"
+    as_json = redactor.structured("x.json", json.dumps({"tls": {"pem": _pem(kind)}}))
+    assert PEM_BODY not in as_json and json.loads(as_json)["tls"]["pem"].startswith("[redacted")

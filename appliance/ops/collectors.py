@@ -82,6 +82,13 @@ def tail(path: Path, lines: int, cap: int = 8 * 1024 * 1024, *, root: Path | Non
     the file."""
     from appliance.ops.readsafe import Refused, read_as_owner
 
+    if ctx is not None:
+        from appliance.ops.redact import never_collected
+
+        if path.resolve() in never_collected(ctx.config):  # wherever it lies, e.g. *.log
+            ctx.refused.append(f"{path}: a configured secret file (a passphrase, a token or "
+                               "a private key); a bundle never reads one")
+            raise Skip(f"{path} is a secret file")
     root = root or path.parent
     try:
         data = read_as_owner(root, path.relative_to(root).as_posix(), cap)

@@ -6,14 +6,16 @@ Two kinds of rule, applied to every text file before it enters an archive:
 - **By value**: the secrets this box holds — the HMAC key (`secrets/server.key`), the engine's
   API key (`secrets/engine-api.key`), every configuration value `describe()` masks with
   `show=` (`secret_keys()`: the database URL, the Hub token, the alert webhook URL …), and the
-  contents of every configured secret file (`secret_files()`: `weights.token_file` …).
+  contents of every configured secret file (`secret_files()`: `weights.token_file`,
+  `backup.passphrase_file` …), which no collector reads either (`never_collected`).
   Values are replaced wherever they appear, whatever the surrounding format.
 - **By pattern** (`PATTERNS`): credentials and user content of known shapes, wherever they came
-  from — gateway keys (`sk-…`), admin API tokens (`apt_…`), Hub tokens (`hf_…`), cell join
-  tokens (`acj_…`) and peer credentials (`acp_…`), bearer and basic authorization, argon2
-  password hashes, session and CSRF cookies, passwords in URLs, `password=`/`token=`-style
-  assignments, secrets in URL query strings, and prompt text (SGLang's `--log-requests`
-  lines, and `content`/`prompt`/`messages`-style fields).
+  from — PEM private key blocks (wholesale), gateway keys (`sk-…`), admin API tokens
+  (`apt_…`), Hub tokens (`hf_…`), cell join tokens (`acj_…`) and peer credentials (`acp_…`),
+  bearer and basic authorization, argon2 password hashes, session and CSRF cookies,
+  passwords in URLs, `password=`/`token=`-style assignments, secrets in URL query strings,
+  and prompt text (SGLang's `--log-requests` lines, and `content`/`prompt`/`messages`-style
+  fields).
 
 Each replacement reads `[redacted: <what>]`, so a reader knows something was there and what
 kind. Invariants: a value redacted by value is replaced before the patterns run, longest
@@ -73,6 +75,10 @@ SECRET_NAME = re.compile(f"(?:{_CREDENTIAL_NAMES})", re.I)
 # Order matters: whole request-log lines first, then credentials of known shape, then the
 # generic assignments that would otherwise catch their remains.
 PATTERNS: tuple[Pattern, ...] = (
+    # A PEM private key (TLS, SSH, PKCS#8, encrypted or not), BEGIN to END as one, or to the
+    # text's end when a tail or a cap cut its END off: no line of its base64 body survives.
+    _p("private key", r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?"
+       r"(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)", re.S),
     # SGLang --log-requests: `Receive: obj=GenerateReqInput(text='…')`, `Finish: obj=…, out=…`.
     _p("request content", r"((?:Receive|Finish|Abort)\s*:\s*obj=).*"),
     _p("gateway key", r"\bsk-[A-Za-z0-9_-]{8,}"),
@@ -231,9 +237,18 @@ def secret_files(config: Config) -> list[tuple[str, Path]]:
         for item in dataclasses.fields(section):
             value = getattr(section, item.name)
             if (isinstance(value, Path) and item.name.endswith("_file")
-                    and ("secret" in item.name or "token" in item.name)):
+                    and any(word in item.name for word in ("secret", "token", "passphrase"))):
                 found.append((f"{name}.{item.name}", value))
     return found
+
+
+def never_collected(config: Config) -> frozenset[Path]:
+    """Files no collector may read, whatever folder they lie in: the configured secret files
+    (`secret_files`: the backup passphrase, the OIDC client secret, the Hub token file) and
+    the TLS private keys. Resolved, so a link or a `..` to one is still one."""
+    paths = [path for _, path in secret_files(config)]
+    paths += [key for key in (config.server.tls_key, config.gateway.tls_key) if key is not None]
+    return frozenset(path.resolve() for path in paths)
 
 
 def _read(path: Path) -> str | None:
