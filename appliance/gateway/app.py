@@ -242,13 +242,15 @@ class GatewayApp:
                 failures.failed(address, clock.monotonic())
             raise
 
+    def _too_big(self) -> GatewayError:
+        # made when refused, not for every request (its size in words is a format or two)
+        return GatewayError(413, "request_too_large", f"the body is larger than "
+                            f"{bytes_text(self.max_body)} (gateway.max_body_mib)")
+
     async def _read_body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
-        too_big = GatewayError(413, "request_too_large",
-                               f"the body is larger than {bytes_text(self.max_body)} "
-                               "(gateway.max_body_mib)")
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
-            raise too_big
+            raise self._too_big()
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -259,7 +261,7 @@ class GatewayApp:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body:
-                raise too_big
+                raise self._too_big()
             chunks.append(chunk)
             if not message.get("more_body"):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -16,6 +16,7 @@ exits 0. So a restart refuses nobody: clients reconnect to the queue the next pr
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import socket
@@ -67,6 +68,7 @@ async def serve_gateway(parts: GatewayParts, listener: socket.socket | None = No
     drain = Drain()
 
     async def announce() -> None:
+        _freeze_startup_objects()
         notify(f"READY=1\nSTATUS=gateway on {url} ({how})")
         log.info("gateway ready on %s, %s (pid %d)", url, how, os.getpid())
 
@@ -94,6 +96,16 @@ def run_gateway(config: Config, **overrides: Any) -> int:
     finally:
         parts.db.dispose()
     return 0
+
+
+def _freeze_startup_objects() -> None:
+    """Move what the start left (modules, SQLAlchemy's and aiohttp's tables, the app: 77,680
+    objects after the imports alone) out of the collector's sight. They live as long as the
+    process, yet every full collection walked them all, a pause of tens of milliseconds (95
+    ms measured on the loaded 2-core dev VM) that stalled every stream and showed in the TTFT
+    p99; the collector now walks only what requests allocate. Once, when ready."""
+    gc.collect()
+    gc.freeze()
 
 
 def _use_uvloop() -> None:
