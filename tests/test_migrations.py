@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import json
 import shutil
 import sqlite3
 import subprocess
@@ -438,3 +439,61 @@ def test_migrate_backs_up_the_previous_database(tmp_path: Path) -> None:
         copy.close()
     assert "extra_notes" in table_names(db)
     db.dispose()
+
+
+# -- data migrations ------------------------------------------------------------------------
+
+OLD_KEY = "sk-engine-0123456789abcdefOLDROW"  # written in clear before the parser redacted
+
+
+def test_engine_keys_in_rows_from_before_the_redaction_are_scrubbed(
+        database: Database, tmp_path: Path) -> None:
+    """An engine run and an event written at 0014 with the engine key in clear (the parsed
+    `server_args`, the failure line and the hint quoting it) come out of the upgrade with the
+    key redacted and every other figure, word for word, as it was."""
+    from alembic import command
+    from alembic.config import Config as AlembicConfig
+
+    from appliance.engine.logsecrets import MARK
+
+    cfg = AlembicConfig()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    with database.engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0014_service_classes")
+    line = f"ValueError: bad config {{'api_key': '{OLD_KEY}', 'port': 30000}}"
+    figures = {"server_args": {"model_path": "/m", "api_key": OLD_KEY, "port": "30000",
+                               "admin_api_key": "None"},
+               "kv_token_capacity": 4096, "figures": {"max_total_num_tokens": 4096},
+               "failure": {"reason": "config", "line": line, "hint": "fix it"}}
+    hint = f"the engine refused its arguments The log says: {line}"
+    with database.engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO engine_runs (id, started_at, runner, spec_hash, spec_json, attempt, "
+            "adopted, state, phases, hint, figures, log_path) VALUES (1, :at, 'process', 'h', "
+            "'{}', 1, false, 'failed', '[]', :hint, :figures, '/l')"),
+            {"at": NOW, "hint": hint, "figures": json.dumps(figures)})
+        conn.execute(text(
+            "INSERT INTO events (id, at, severity, source, message, detail) VALUES "
+            "(1, :at, 'error', 'engine', :message, :detail), "
+            "(2, :at, 'info', 'engine', 'engine ready after 1.0 min', '{\"tokens\": 6}')"),
+            {"at": NOW, "message": f"engine exited (config, status 1): {hint}",
+             "detail": json.dumps({"line": line, "api_key": OLD_KEY})})
+
+    result = migrate(database, migrations_dir(), tmp_path / "backups", NOW)
+
+    assert result.after == HEAD
+    with database.engine.connect() as conn:
+        run_hint, run_figures = conn.execute(
+            text("SELECT hint, figures FROM engine_runs WHERE id = 1")).one()
+        events = conn.execute(text("SELECT message, detail FROM events ORDER BY id")).all()
+    stored = " ".join([run_hint, run_figures, *(part for row in events for part in row)])
+    assert OLD_KEY not in stored
+    clean_line = f"ValueError: bad config {{'api_key': '{MARK}', 'port': 30000}}"
+    kept = json.loads(run_figures)
+    assert kept == {**figures, "server_args": {**figures["server_args"], "api_key": MARK},
+                    "failure": {**figures["failure"], "line": clean_line}}
+    assert run_hint == f"the engine refused its arguments The log says: {clean_line}"
+    assert events[0][0] == f"engine exited (config, status 1): {run_hint}"
+    assert json.loads(events[0][1]) == {"line": clean_line, "api_key": MARK}
+    assert tuple(events[1]) == ("engine ready after 1.0 min", '{"tokens": 6}')  # untouched

@@ -136,8 +136,8 @@ def redact_pairs(pairs: Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...
 
 def redact_json(value: Any, literals: Iterable[str] = ()) -> Any:
     """A JSON-ready value redacted structurally: a secret-named key's value becomes `MARK`
-    (unless None or empty), every other string is `redact`ed; the result is as valid JSON as
-    the input."""
+    (unless it says there is none), every other string is `redact`ed; the result is as valid
+    JSON as the input."""
     known = tuple(literals)
     return _walk(value, known)
 
@@ -147,15 +147,21 @@ def _walk(value: Any, literals: tuple[str, ...]) -> Any:
         return redact(value, literals)
     if isinstance(value, Mapping):
         return {key: (MARK if isinstance(key, str) and is_secret_name(key)
-                      and value[key] not in (None, "") else _walk(value[key], literals))
+                      and not _says_none(value[key]) else _walk(value[key], literals))
                 for key in value}
     if isinstance(value, list | tuple):
         return [_walk(item, literals) for item in value]
     return value
 
 
+def _says_none(value: Any) -> bool:
+    """Whether a secret field's value hides nothing (None, empty, `'None'`, already redacted):
+    kept as it is, so the field still says there is none."""
+    return value is None or (isinstance(value, str) and value.strip().lower() in _KEPT)
+
+
 def _field_value(name: str, value: str) -> str:
-    if is_secret_name(name) and value.strip().lower() not in _KEPT:
+    if is_secret_name(name) and not _says_none(value):
         return MARK
     return redact(value)
 
