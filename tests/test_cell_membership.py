@@ -29,6 +29,7 @@ from appliance.config import Config
 from appliance.db.database import Database
 from appliance.db.journal import list_audit
 from appliance.db.schema import migrate
+from appliance.errors import EX_USAGE
 from appliance.resources import migrations_dir
 from appliance.runtime import Runtime, build_runtime
 from appliance.testing.clock import FakeClock
@@ -355,12 +356,24 @@ def test_the_cli_joins_two_real_daemons(tmp_path: Path) -> None:
 
         token = cell("member", "join-token")["token"]
         member_url = daemons["member"].base_url
-        added = cell("head", "add", member_url, token)
+        # The token comes on stdin, so no argv on the box holds it (/proc/PID/cmdline).
+        argv = ["--config", str(configs["head"]), "cell", "add", member_url, "--json"]
+        refused = run_cli(*argv, input="\n")
+        assert refused.returncode == EX_USAGE and "no join token on stdin" in refused.stderr
+        assert cell("head", "members") == []  # nothing was added
+        done = run_cli(*argv, input=token + "\n")
+        assert done.returncode == 0, (done.stdout, done.stderr)
+        assert not any(token in arg for arg in argv) and "warning" not in done.stderr
+        added = json.loads(done.stdout)
         assert added["address"] == member_url
         [seen] = cell("head", "members")
         assert (seen["status"], seen["engine"]["state"]) == ("ok", "stopped")
         again = run_cli("--config", str(configs["head"]), "cell", "add", member_url, token)
         assert again.returncode != 0 and "is already member 1" in again.stderr, again.stderr
+        assert "visible to every user on this box" in again.stderr  # the positional warns
+        dash = run_cli("--config", str(configs["head"]), "cell", "add", member_url, "-",
+                       input=token + "\n")
+        assert "is already member 1" in dash.stderr and "warning" not in dash.stderr
         assert cell("member", "leave")["revoked"] == [added["credential"]]
         [seen] = cell("head", "members")
         assert seen["status"] == "revoked"

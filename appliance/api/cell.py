@@ -116,7 +116,8 @@ async def create_join_token(request: CellRequest) -> dict[str, Any]:
     await audit(runtime, actor=actor_of(request), address=client_address(request),
                 action="cell.join_token.create", detail={"expires_at": made.expires_at.isoformat()})
     return {"token": made.token, "expires_at": made.expires_at.isoformat(),
-            "hint": "on the head: `appliance cell add THIS_BOX_ADDRESS TOKEN` within the hour"}
+            "hint": "on the head, within the hour: `appliance cell add THIS_BOX_ADDRESS`, "
+                    "the token on its stdin"}
 
 
 @post("/join", status_code=201, summary="A head exchanges a join token for a peer credential")

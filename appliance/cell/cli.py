@@ -1,7 +1,8 @@
 """`appliance cell …`: join boxes into a cell from a shell, through the daemon's admin API.
 
 On a member: `join-token` prints a one-time token (valid an hour) to give the head's admin;
-`leave` revokes every head's credential. On the head: `add ADDRESS TOKEN` joins the member,
+`leave` revokes every head's credential. On the head: `add ADDRESS` joins the member with the
+token read from stdin (never in argv, which every local user can read),
 `members` lists them with their status, `remove ID` gives the credential up and forgets it;
 `status` shows the cell (members, router, traffic, a rolling restart), `engine ID ACTION`
 starts, stops or restarts a member's engine, `role ID ROLE` changes a member's role, and
@@ -34,7 +35,10 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     add = csub.add_parser("add", parents=[common],
                           help="on the head: add a member with the join token it made")
     add.add_argument("address", help="the member's console address, e.g. https://member-2:8443")
-    add.add_argument("token", help="the join token from `appliance cell join-token` there")
+    add.add_argument("token", nargs="?", default="-",
+                     help="the join token from `appliance cell join-token` there; '-' or "
+                          "omitted: read from stdin (a token given here is in this command's "
+                          "argv, which every user on the box can read while it runs)")
     add.add_argument("--role", default="unified", choices=CELL_ROLES)
     add.add_argument("--no-verify-tls", dest="verify_tls", action="store_false",
                      help="accept the member's self-signed certificate")
@@ -89,6 +93,32 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                              "(default /opt/appliance/router, what the installer builds)")
 
 
+def join_token_of(given: str) -> str:
+    """The join token for `cell add`: `-` reads one line from stdin (unechoed at a terminal),
+    so the token never stands in `/proc/PID/cmdline`; a token given as the argument still
+    works, with a warning that other users could read it there."""
+    import sys
+
+    if given != "-":
+        print("warning: a join token on the command line is visible to every user on this "
+              "box while the command runs; pipe it in instead (`appliance cell add ADDRESS "
+              "< token-file`, or type it when asked)", file=sys.stderr)
+        return given
+    if sys.stdin.isatty():
+        import getpass
+
+        token = getpass.getpass("join token (from `appliance cell join-token` on the member): ")
+    else:
+        token = sys.stdin.readline()
+    token = token.strip()
+    if not token:
+        raise ApplianceError("cell_token_missing", "no join token on stdin",
+                             "run `appliance cell join-token` on the member and pipe its "
+                             "token in: `echo TOKEN | appliance cell add ADDRESS`",
+                             exit_code=EX_USAGE)
+    return token
+
+
 def run(args: argparse.Namespace, config: Config) -> int:
     from appliance.engine.cli import checked, daemon_api
 
@@ -104,10 +134,11 @@ def run(args: argparse.Namespace, config: Config) -> int:
         if command == "join-token":
             body = checked(api.post(f"{API}/join-tokens"), "cell_api")
             return _print(args, body, lambda b: f"{b['token']}\nvalid until {b['expires_at']}, "
-                          "once: on the head, `appliance cell add THIS_BOX_ADDRESS TOKEN`")
+                          "once: on the head, `appliance cell add THIS_BOX_ADDRESS` with it "
+                          "on stdin")
         if command == "add":
             body = checked(api.post(f"{API}/members", json={
-                "address": args.address, "token": args.token, "role": args.role,
+                "address": args.address, "token": join_token_of(args.token), "role": args.role,
                 "verify_tls": args.verify_tls}), "cell_api")
             return _print(args, body, lambda b: f"member {b['id']} added: {b['address']} "
                           f"({b['role']}), credential {b['credential']}")
@@ -134,7 +165,8 @@ def _print(args: argparse.Namespace, body: Any, words: Any) -> int:
 
 def describe_members(members: list[dict[str, Any]]) -> str:
     if not members:
-        return "this box has no cell members (add one with `appliance cell add ADDRESS TOKEN`)"
+        return ("this box has no cell members (add one with `appliance cell add ADDRESS`, "
+                "its join token on stdin)")
     lines = []
     for m in members:
         if m["status"] == "ok":
@@ -250,7 +282,8 @@ def describe_rolling(progress: dict[str, Any]) -> str:
 
 def describe_cell(cell: dict[str, Any]) -> str:
     if not cell["is_head"]:
-        return ("this box heads no cell (add a member with `appliance cell add ADDRESS TOKEN`; "
+        return ("this box heads no cell (add a member with `appliance cell add ADDRESS`, "
+                "its join token on stdin; "
                 f"its own role is {cell['head']['role']})")
     state = "serving" if cell["serving"] else "not serving" if cell["active"] else \
         "not a prefill/decode cell yet"
