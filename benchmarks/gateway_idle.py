@@ -30,14 +30,11 @@ from pathlib import Path
 
 from gateway_throughput import (  # beside this script
     Child,
-    clean_env,
-    free_port,
     http_get,
     model_dir,
-    spawn,
     start_engine,
     start_gateway,
-    wait_until,
+    start_passthrough,
 )
 
 # A bare passthrough: uvicorn + uvloop + aiohttp forwarding every request to the engine.
@@ -71,14 +68,6 @@ uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http="httptools",
 """
 
 
-def start_passthrough(work: Path, engine_port: int) -> tuple[Child, str]:
-    port = free_port()
-    child = spawn("the passthrough", [sys.executable, "-c", PASSTHROUGH,
-                                      f"http://127.0.0.1:{engine_port}", str(port)],
-                  work / "passthrough.log", clean_env())
-    url = f"http://127.0.0.1:{port}"
-    wait_until(child, lambda: http_get(f"{url}/health")[0] == 200, "ready")
-    return child, url
 
 
 def idle_ms_per_second(child: Child, seconds: float) -> float:
@@ -101,7 +90,7 @@ def main() -> int:
         children.append(engine)
         gateway = start_gateway(work, engine_port)
         children.append(gateway.child)
-        passthrough, url = start_passthrough(work, engine_port)
+        passthrough, url = start_passthrough(work, engine_port, PASSTHROUGH)
         children.append(passthrough)
         for _ in range(5):  # warm both: connections open, code paths taken once
             http_get(f"{url}/health")

@@ -1,20 +1,26 @@
-"""Gateway throughput: streams straight to the engine against the same streams through the
-gateway and through LiteLLM's proxy, to the same engine emulator, in the same run.
+"""Gateway throughput: streams straight to the engine against the same streams through a
+minimal passthrough, through the gateway and through LiteLLM's proxy, to the same engine
+emulator, in the same run.
 
     .venv/bin/python benchmarks/gateway_throughput.py [--cells 1,8,64] [--seconds 8]
         [--paces paced,unpaced] [--min-requests 20] [--max-requests 20000] [--skip-litellm]
-        [--litellm-venv DIR] [--profile [paced|unpaced]] [--profile-only] [--keep]
+        [--litellm-venv DIR] [--classes] [--profile [paced|unpaced]] [--profile-only] [--keep]
 
-Three paths, each a separate process in front of one engine emulator (`python -m
+Four paths, each a separate process in front of one engine emulator (`python -m
 appliance.testing.fake_sglang serve ... --max-running-requests 256`, so the engine never
 queues), all on 127.0.0.1:
 
   direct    client -> emulator (the baseline every ratio is against)
+  passthrough  client -> an aiohttp server forwarding each stream chunk by chunk with one
+            pooled aiohttp client (`PASSTHROUGH`): the least any proxy costs, the yardstick
+            for the gateway's own cost ("the gateway against the passthrough" lines)
   gateway   client -> `python -m appliance --config FILE gateway` -> emulator, in a fresh box
             (temporary state folder, migrated SQLite database, one API key, the engine
             published as ready the way the control plane does it): keys, admission (its limit
             learned from the engine, 256) and usage accounting (rows written once a second)
-            all on, as in production
+            all on, as in production; with `--classes`, service classes configured too
+            (`CLASSES`: interactive with a TTFT SLO and a floor, batch), so every request
+            takes the class path
   litellm   client -> LiteLLM's proxy (`litellm --config`, one worker, master key, no
             database) -> emulator; installed on demand into its own virtual environment
             (default ~/.cache/appliance-bench/litellm-venv), never into the project's; run
@@ -97,7 +103,7 @@ MODEL = "kimi-k3"
 TOKENS = 64
 MAX_RUNNING = 256
 PACES = {"paced": 0.02, "unpaced": 0.0}
-PATHS = ("direct", "gateway", "litellm")
+PATHS = ("direct", "passthrough", "gateway", "litellm")
 DEFAULT_VENV = Path.home() / ".cache" / "appliance-bench" / "litellm-venv"
 START_TIMEOUT = 120.0
 EXTRA_SECONDS = 60.0  # the most a cell runs past --seconds to reach --min-requests
@@ -109,7 +115,7 @@ ADDED_64 = (5.0, 15.0)      # paced, 64 streams: added TTFT p50, p99 (ms)
 ADDED_8 = (1.0, 3.0)        # paced, <= 8 streams: added TTFT p50, p99 (ms)
 UNPACED_RATIO = 0.50        # unpaced: gateway throughput / direct
 LITELLM_TIMES = 50.0        # ... which is more than 50x LiteLLM's
-CPU_PER_STREAM_MS = 5.0     # gateway CPU per 64-token stream
+CPU_PER_STREAM_MS = 3.0     # gateway CPU per 64-token stream (issue 24; was 5)
 RSS_MIB = 100.0             # gateway resident memory
 
 
@@ -399,15 +405,24 @@ class Gateway:
     db_url: str
 
 
-def prepare_gateway(work: Path, engine_port: int) -> tuple[Path, str, str]:
-    """A fresh box under `work/box`: config file, migrated database, one key, the engine
-    published as ready. Returns (the config file, the key, the database URL)."""
+# `--classes`: the service classes of issue 24 configured as docs/configuration.md's example,
+# so every request takes the class path (its share, the SLO prediction, the priority spliced
+# into the body, the per-class counting). The benchmark's key is interactive; with a 5 s SLO
+# and no queue nothing is refused, so the figures measure the path's cost, not refusals.
+CLASSES = ('\n[gateway.classes.interactive]\nttft_slo_seconds = 5\ndecode_floor_tps = 32\n'
+           '\n[gateway.classes.batch]\ndeadline_seconds = 900\nshare = 0.25\n')
+
+
+def prepare_gateway(work: Path, engine_port: int, extra: str = "") -> tuple[Path, str, str]:
+    """A fresh box under `work/box`: config file (`extra` appended to its [gateway] table),
+    migrated database, one key, the engine published as ready. Returns (the config file, the
+    key, the database URL)."""
     box = work / "box"
     port = free_port()
     text = (f'[paths]\nstate_dir = "{box / "state"}"\nmodels_dir = "{box / "models"}"\n'
             f'log_dir = "{box / "log"}"\n\n[server]\nport = {free_port()}\n\n'
             f'[engine]\nport = {engine_port}\nserved_model_name = "{MODEL}"\n\n'
-            f'[gateway]\nhost = "127.0.0.1"\nport = {port}\n')
+            f'[gateway]\nhost = "127.0.0.1"\nport = {port}\n' + extra)
     box.mkdir(parents=True)
     path = box / "appliance.toml"
     path.write_text(text)
@@ -442,8 +457,9 @@ runpy.run_module("appliance", run_name="__main__", alter_sys=True)
 """
 
 
-def start_gateway(work: Path, engine_port: int, profile: Path | None = None) -> Gateway:
-    path, key, db_url = prepare_gateway(work, engine_port)
+def start_gateway(work: Path, engine_port: int, profile: Path | None = None,
+                  classes: bool = False) -> Gateway:
+    path, key, db_url = prepare_gateway(work, engine_port, CLASSES if classes else "")
     port = load_config(path, env={}).gateway.port
     argv = [sys.executable, "-m", "appliance", "--config", str(path), "gateway"]
     if profile is not None:
@@ -459,6 +475,54 @@ def start_gateway(work: Path, engine_port: int, profile: Path | None = None) -> 
     target = Target(f"{url}/v1/chat/completions",
                     {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
     return Gateway(child, target, path, db_url)
+
+
+# `python -c PASSTHROUGH ENGINE PORT`: the least a proxy can do, the yardstick for the
+# gateway's own cost. aiohttp's server and client on uvloop, one pooled session, the body and
+# the SSE stream forwarded chunk by chunk as they come; no keys, no admission, no accounting.
+PASSTHROUGH = """
+import sys, aiohttp, uvloop
+from aiohttp import web
+engine, port = sys.argv[1], int(sys.argv[2])
+async def open_session(app):
+    app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    yield
+    await app["session"].close()
+async def health(request):
+    return web.Response(text="ok")
+async def forward(request):
+    body = await request.read()
+    async with request.app["session"].post(
+            engine + request.path, data=body,
+            headers={"Content-Type": "application/json"}) as answer:
+        response = web.StreamResponse(
+            status=answer.status,
+            headers={"Content-Type": answer.headers.get("Content-Type", "text/plain")})
+        await response.prepare(request)
+        async for chunk in answer.content.iter_any():
+            await response.write(chunk)
+        await response.write_eof()
+        return response
+app = web.Application()
+app.cleanup_ctx.append(open_session)
+app.router.add_get("/health", health)
+app.router.add_post("/v1/chat/completions", forward)
+uvloop.install()
+web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+"""
+
+
+def start_passthrough(work: Path, engine_port: int,
+                      script: str = PASSTHROUGH) -> tuple[Child, str]:
+    """`python -c script ENGINE PORT` (this passthrough, or another with the same argv and a
+    /health route), once it answers; returns it and its base URL."""
+    port = free_port()
+    child = spawn("the passthrough", [sys.executable, "-c", script,
+                                      f"http://127.0.0.1:{engine_port}", str(port)],
+                  work / "passthrough.log", clean_env())
+    url = f"http://127.0.0.1:{port}"
+    wait_until(child, lambda: http_get(f"{url}/health")[0] == 200, "ready")
+    return child, url
 
 
 def usage_rows(db_url: str) -> int:
@@ -600,10 +664,10 @@ def fmt(value: float | None, spec: str, width: int) -> str:
 
 
 def print_cells(cells: list[Cell]) -> None:
-    header = (f"{'pace':<8} {'streams':>7} {'path':<8} {'n':>5} {'req/s':>8} {'tok/s':>9} "
+    header = (f"{'pace':<8} {'streams':>7} {'path':<11} {'n':>5} {'req/s':>8} {'tok/s':>9} "
               f"{'x direct':>8} {'TTFT p50':>9} {'p99 ms':>7} {'+p50':>7} {'+p99 ms':>8} "
               f"{'tok/str':>7} {'proxy':>7} {'client':>7} {'engine':>7} {'err':>4}")
-    print("\n" + " " * 97 + "CPU ms per stream")
+    print("\n" + " " * 100 + "CPU ms per stream")
     print(header)
     print("-" * len(header))
     last: tuple[str, int] | None = None
@@ -621,7 +685,7 @@ def print_cells(cells: list[Cell]) -> None:
         tokens = sum(s.tokens for s in cell.ok) / len(cell.ok) if cell.ok else None
         if cell.path == "direct":
             add50 = add99 = None
-        print(f"{cell.pace:<8} {cell.streams:>7} {cell.path:<8} {len(cell.samples):>5} "
+        print(f"{cell.pace:<8} {cell.streams:>7} {cell.path:<11} {len(cell.samples):>5} "
               f"{cell.rps:>8.1f} {cell.tps:>9.0f} {fmt(ratio, '.3f', 8)} {fmt(p50, '.2f', 9)} "
               f"{fmt(p99, '.2f', 7)} {fmt(add50, '+.2f', 7)} {fmt(add99, '+.2f', 8)} "
               f"{fmt(tokens, '.1f', 7)} {fmt(cell.per_stream(cell.proxy_cpu), '.2f', 7)} "
@@ -702,6 +766,22 @@ def print_targets(cells: list[Cell], memory: dict[str, Memory]) -> None:
         cpu, net = busiest.per_stream(busiest.proxy_cpu), busiest.proxy_net()
         line(f"{pace}, {largest} streams: gateway CPU <= {CPU_PER_STREAM_MS:g} ms per stream",
              f"{cpu:.2f} ms ({net:.2f} net of idle)", cpu is not None and cpu <= CPU_PER_STREAM_MS)
+    print("\nthe gateway against the passthrough (the same run; ratios < 1 favour the gateway):")
+    for cell in cells:
+        if cell.path != "gateway":
+            continue
+        base = find(cells, cell.pace, cell.streams, "direct")
+        thru = find(cells, cell.pace, cell.streams, "passthrough")
+        if not (base and thru and base.ok and thru.ok and cell.ok):
+            continue
+        ours, theirs = cell.per_stream(cell.proxy_cpu), thru.per_stream(thru.proxy_cpu)
+        g50, g99 = added(base, cell, 0.5), added(base, cell, 0.99)
+        t50, t99 = added(base, thru, 0.5), added(base, thru, 0.99)
+        cpu_ratio = f"x{ours / theirs:.2f}" if ours and theirs else "-"
+        print(f"  {cell.pace}, {cell.streams} streams: CPU {ours:.2f} / {theirs:.2f} ms per "
+              f"stream ({cpu_ratio}); added TTFT p50 {g50:+.2f} / {t50:+.2f} ms, p99 "
+              f"{g99:+.2f} / {t99:+.2f} ms (gateway - passthrough: {g50 - t50:+.2f}, "
+              f"{g99 - t99:+.2f} ms)")
     for pace, rss in memory.items():
         line(f"gateway RSS after the {pace} cells < {RSS_MIB:g} MiB",
              f"{rss.after:.1f} MiB (ready {rss.started:.1f}, peak {rss.peak:.1f})",
@@ -806,12 +886,17 @@ def run_pace(pace: str, args: argparse.Namespace, work: Path, model: Path,
     engine, engine_port = start_engine(root, model, PACES[pace])
     children = [engine]
     try:
-        gateway = start_gateway(root, engine_port)
+        gateway = start_gateway(root, engine_port, classes=args.classes)
         children.append(gateway.child)
         rss_started = gateway.child.rss()[0]
+        passthrough, passthrough_url = start_passthrough(root, engine_port)
+        children.append(passthrough)
+        passthrough_target = Target(f"{passthrough_url}/v1/chat/completions",
+                                    {"Content-Type": "application/json"})
         targets: dict[str, tuple[Target, Child | None]] = {
             "direct": (Target(f"http://127.0.0.1:{engine_port}/v1/chat/completions",
                               {"Content-Type": "application/json"}), None),
+            "passthrough": (passthrough_target, passthrough),
             "gateway": (gateway.target, gateway.child)}
         if litellm is not None:
             proxy, target = start_litellm(root, litellm, engine_port)
@@ -834,7 +919,7 @@ def run_pace(pace: str, args: argparse.Namespace, work: Path, model: Path,
                 if path == "gateway":
                     sent += cell.requests_sent
                 p50, p99 = cell.ttft(0.5), cell.ttft(0.99)
-                print(f"  {streams:>3} streams {path:<8} {len(cell.samples):>5} requests in "
+                print(f"  {streams:>3} streams {path:<11} {len(cell.samples):>5} requests in "
                       f"{cell.elapsed:5.1f} s: {cell.tps:8.0f} tok/s, TTFT p50 "
                       f"{fmt(p50, '.2f', 7)} ms p99 {fmt(p99, '.2f', 7)} ms"
                       + (f", {cell.errors} errors" if cell.errors else ""), flush=True)
@@ -857,7 +942,7 @@ def run_profile(pace: str, args: argparse.Namespace, work: Path, model: Path,
     engine, engine_port = start_engine(root, model, PACES[pace])
     profile = root / "gateway.prof"
     try:
-        gateway = start_gateway(root, engine_port, profile)
+        gateway = start_gateway(root, engine_port, profile, classes=args.classes)
         signals = iter((signal.SIGUSR1, signal.SIGUSR2))
 
         def mark() -> None:
@@ -906,6 +991,9 @@ def main(argv: list[str] | None = None) -> int:
                              "through a gateway under cProfile and print where its time goes")
     parser.add_argument("--profile-only", action="store_true",
                         help="skip the measured cells: only the --profile run")
+    parser.add_argument("--classes", action="store_true",
+                        help="configure the service classes (interactive with a 5 s TTFT "
+                             "SLO and a 32 tokens/s floor, batch at a quarter of the slots)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the working folder (logs, databases, profile)")
     args = parser.parse_args(argv)
