@@ -256,7 +256,7 @@ CLI_LOCAL: Final[frozenset[str]] = frozenset({
     "serve", "gateway", "migrate", "doctor", "backup", "restore",
     "admin create", "admin reset-password", "admin set-role", "admin list",
     "token create", "token list", "token revoke",
-    "keys create", "keys list", "keys revoke", "keys limits",
+    "keys create", "keys list", "keys revoke", "keys limits", "keys class",
     "engine parse-log", "engine exec-spec", "cell exec-router", "weights export-manifest",
     "tune predict", "tune recommend", "tune profiles",
 })
