@@ -44,23 +44,11 @@ class ActionBody:
     at: dt.datetime | None = None  # run in a maintenance window instead of now
 
 
-def engine_keys(runtime: Runtime, previous: str | None = None) -> tuple[str, ...]:
-    """The engine keys redacted by value wherever an engine log line or figure leaves through
-    the API: the two this daemon holds in memory (the one it sends, the one the engine last
-    took) and `previous`, the key a head's hand-over replaced (`previous_engine_key`): an
-    engine started before the hand-over logged that one, and the daemon may never have held
-    it."""
-    keys = runtime.engine_keys
-    return tuple(key for key in (keys.current, keys.accepted, previous) if key)
-
-
-async def previous_engine_key(runtime: Runtime) -> str | None:
-    """`secrets/engine-api.key.previous`, read off the event loop; None when there is none."""
-    from appliance.cell.engine_key import previous_key_path
-    from appliance.secrets import read_key_file
-
-    path = previous_key_path(runtime.config.paths.state_dir)
-    return await asyncio.to_thread(read_key_file, path)
+async def keys_on_disk(runtime: Runtime) -> tuple[str, ...]:
+    """The engine keys in this box's key files (EngineKeys.on_disk), read off the event loop:
+    with the two the daemon holds in memory (`EngineKeys.known`), what an engine log line or
+    figure loses by value wherever it leaves through the API."""
+    return await asyncio.to_thread(runtime.engine_keys.on_disk)
 
 
 @get("/", summary="Engine state, progress, memory table and launch figures")
@@ -69,8 +57,8 @@ async def engine_status(request: AdminRequest) -> dict[str, Any]:
 
     runtime = runtime_of(request)
     status = status_dict(runtime.supervisor.status)
-    previous = await previous_engine_key(runtime)
-    status["log"] = redact_json(status["log"], engine_keys(runtime, previous))
+    known = runtime.engine_keys.known(await keys_on_disk(runtime))
+    status["log"] = redact_json(status["log"], known)
     return {**status, **await engine_admission(runtime)}
 
 
@@ -125,8 +113,8 @@ async def engine_log(
 ) -> dict[str, Any]:
     runtime = runtime_of(request)
     shown = await tail(runtime.supervisor.log_path, lines, rank=rank, level=level)
-    previous = await previous_engine_key(runtime)
-    return {"lines": redact_lines(shown, engine_keys(runtime, previous))}
+    known = runtime.engine_keys.known(await keys_on_disk(runtime))
+    return {"lines": redact_lines(shown, known)}
 
 
 @get("/log/stream", summary="The engine log as server-sent events (new lines as they come)")
@@ -140,7 +128,7 @@ async def engine_log_stream(
     check = credential_check(request)
 
     opened = runtime.clock.monotonic()
-    previous = await previous_engine_key(runtime)  # read once a stream: a file, not memory
+    on_disk = await keys_on_disk(runtime)  # read once a stream: files, not memory
 
     async def lines() -> AsyncIterator[str | ServerSentEventMessage]:
         # The stream outlives the middleware's one check: it ends when its token is revoked
@@ -148,7 +136,7 @@ async def engine_log_stream(
         # request, not from the body's first read, which a loaded box starts later.
         async for line in while_authorised(follow(path, rank=rank, level=level), runtime,
                                            check, since=opened):
-            yield redact(line, engine_keys(runtime, previous))
+            yield redact(line, runtime.engine_keys.known(on_disk))
         yield ServerSentEventMessage(
             event="unauthorized",
             data="the API token or session of this stream was revoked or has ended; "

@@ -83,10 +83,20 @@ class EngineKeys:
         self.current = boot_key
         self.accepted: str | None = None
 
-    def alternatives(self, tried: str | None) -> list[str]:
+    def on_disk(self) -> tuple[str, ...]:
+        """The key file's key and the previous one (a head's hand-over replaced it; an engine
+        started before logged it). Reads two small files: call it off the event loop."""
         keys = (read_engine_api_key(self._state_dir),
                 read_key_file(previous_key_path(self._state_dir)))
-        return [k for k in dict.fromkeys(keys) if k is not None and k != tried]
+        return tuple(k for k in dict.fromkeys(keys) if k is not None)
+
+    def alternatives(self, tried: str | None) -> list[str]:
+        return [k for k in self.on_disk() if k != tried]
+
+    def known(self, on_disk: tuple[str, ...]) -> tuple[str, ...]:
+        """Every key an engine of this box may have been given: the two held in memory and
+        `on_disk` (read earlier by `on_disk()`); what the log's by-value redaction removes."""
+        return tuple(dict.fromkeys(k for k in (self.current, self.accepted, *on_disk) if k))
 
     def accept(self, key: str | None) -> None:
         self.current = self.accepted = key
