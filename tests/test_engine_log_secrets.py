@@ -12,6 +12,7 @@ line is intact, word for word. Against the code before `logsecrets` each of them
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import subprocess
@@ -206,15 +207,14 @@ def config(tmp_path: Path) -> Config:
     return make_config(tmp_path / "appliance")
 
 
-@pytest.fixture
-def live(config: Config, db: Database) -> Iterator[tuple[LiveServer, str, Path]]:
-    """A daemon that adopted a running engine whose log holds the key the daemon gave it."""
-    boot = build_runtime(config, clock=SystemClock(), db=db, gpus=FakeGpus())
-    key = boot.engine_keys.current
-    assert key
+@contextlib.contextmanager
+def adopted_daemon(config: Config, db: Database,
+                   log_text: str) -> Iterator[tuple[LiveServer, Runtime]]:
+    """A daemon that adopted a running engine whose log is `log_text`, with a viewer vera;
+    served (with its runtime) until the block ends."""
     log = config.paths.log_dir / "engine.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(startup_log(key))
+    log.write_text(log_text)
     ident = EngineIdentity("process", _gone_pid(), 0.0, "spec-h", str(log))
     at = dt.datetime(2026, 12, 2, 5, 1, tzinfo=dt.UTC)
     db.call(lambda s: open_run(s, at=at, runner="process", spec_hash="spec-h", spec_json="{}",
@@ -228,9 +228,19 @@ def live(config: Config, db: Database) -> Iterator[tuple[LiveServer, str, Path]]
     try:
         wait_for(lambda: runtime.supervisor.status.state is EngineState.ALLOCATING,
                  "the adopted engine's log to show it allocating")
-        yield server, key, log
+        yield server, runtime
     finally:
         server.stop()
+
+
+@pytest.fixture
+def live(config: Config, db: Database) -> Iterator[tuple[LiveServer, str, Path]]:
+    """A daemon that adopted a running engine whose log holds the key the daemon gave it."""
+    boot = build_runtime(config, clock=SystemClock(), db=db, gpus=FakeGpus())
+    key = boot.engine_keys.current
+    assert key
+    with adopted_daemon(config, db, startup_log(key)) as (server, _):
+        yield server, key, config.paths.log_dir / "engine.log"
 
 
 @pytest.fixture

@@ -4,28 +4,21 @@ replaced, which the daemon never holds in memory, comes out of the engine log th
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from appliance.auth.accounts import create_admin
-from appliance.auth.roles import Role
 from appliance.cell.engine_key import previous_key_path
 from appliance.clock import SystemClock
 from appliance.config import Config
 from appliance.db.database import Database
 from appliance.engine.logsecrets import MARK
-from appliance.engine.records import open_run
-from appliance.engine.runner import EngineIdentity
-from appliance.engine.states import EngineState
-from appliance.runtime import Runtime, build_runtime
+from appliance.runtime import build_runtime
 from appliance.secrets import write_private
 from appliance.testing.fake_gpus import FakeGpus
-from tests.conftest import PASSWORD, Console, LiveServer, make_config, wait_for
-from tests.test_engine_log_secrets import startup_log
-from tests.test_engine_page_runs import RecordedEngine, _gone_pid
+from tests.conftest import Console, make_config
+from tests.test_engine_log_secrets import adopted_daemon, startup_log
 
 PREVIOUS = "previous-engine-key-0123456789abcdefghij"  # shaped as ENGINE_KEY_RE wants
 
@@ -42,29 +35,14 @@ def viewer(config: Config, db: Database) -> Iterator[Console]:
     boot = build_runtime(config, clock=SystemClock(), db=db, gpus=FakeGpus())
     assert boot.engine_keys.current and boot.engine_keys.current != PREVIOUS
     write_private(previous_key_path(config.paths.state_dir), PREVIOUS.encode() + b"\n")
-    log = config.paths.log_dir / "engine.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(startup_log(PREVIOUS))
-    ident = EngineIdentity("process", _gone_pid(), 0.0, "spec-h", str(log))
-    at = dt.datetime(2026, 12, 2, 5, 1, tzinfo=dt.UTC)
-    db.call(lambda s: open_run(s, at=at, runner="process", spec_hash="spec-h", spec_json="{}",
-                               attempt=1, state="allocating", log_path=str(log),
-                               identity_json=ident.to_json()))
-    runtime: Runtime = build_runtime(config, clock=SystemClock(), db=db,
-                                     runner=RecordedEngine(ident), gpus=FakeGpus(),
-                                     engine_poll_seconds=0.1)
-    assert PREVIOUS not in (runtime.engine_keys.current, runtime.engine_keys.accepted)
-    db.call(lambda s: create_admin(s, "vera", PASSWORD, at, role=Role.VIEWER))
-    server = LiveServer(runtime).start()
-    console = Console(server.base_url)
-    try:
-        wait_for(lambda: runtime.supervisor.status.state is EngineState.ALLOCATING,
-                 "the adopted engine's log to show it allocating")
-        assert console.login("vera").status_code == 303
-        yield console
-    finally:
-        console.close()
-        server.stop()
+    with adopted_daemon(config, db, startup_log(PREVIOUS)) as (server, runtime):
+        assert PREVIOUS not in (runtime.engine_keys.current, runtime.engine_keys.accepted)
+        console = Console(server.base_url)
+        try:
+            assert console.login("vera").status_code == 303
+            yield console
+        finally:
+            console.close()
 
 
 def test_the_key_a_handover_replaced_is_redacted_by_value(viewer: Console) -> None:
