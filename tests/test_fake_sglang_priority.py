@@ -221,33 +221,35 @@ async def until(client: httpx.AsyncClient, running: int, waiting: int) -> None:
     pytest.fail(f"never {running} running and {waiting} waiting")
 
 
+async def ask(client: httpx.AsyncClient, ended: list[str], name: str, path: str,
+              body: dict[str, object]) -> httpx.Response:
+    """POST `body` to `path`; `name` joins `ended` when the answer has come (the finish order)."""
+    reply = await client.post(path, json=body)
+    ended.append(name)
+    return reply
+
+
 def test_over_http_the_queue_runs_by_priority_and_refuses_when_full(emulator: Emulator) -> None:
     order: list[str] = []
-
-    async def ask(client: httpx.AsyncClient, name: str, path: str,
-                  body: dict[str, object]) -> httpx.Response:
-        response = await client.post(path, json=body)
-        order.append(name)
-        return response
 
     async def scenario() -> dict[str, httpx.Response]:
         chat = {"model": "k3", "messages": [{"role": "user", "content": "hi"}],
                 "max_tokens": 40, "ignore_eos": True}
         async with httpx.AsyncClient(base_url=emulator.url, timeout=60) as client:
             tasks = {"first": asyncio.ensure_future(
-                ask(client, "first", "/v1/chat/completions", chat))}
+                ask(client, order, "first", "/v1/chat/completions", chat))}
             await until(client, 1, 0)
-            tasks["low"] = asyncio.ensure_future(ask(client, "low", "/v1/completions", {
+            tasks["low"] = asyncio.ensure_future(ask(client, order, "low", "/v1/completions", {
                 "model": "k3", "prompt": "a b", "max_tokens": 4, "priority": 0}))
             await until(client, 1, 1)
-            tasks["high"] = asyncio.ensure_future(ask(client, "high", "/generate", {
+            tasks["high"] = asyncio.ensure_future(ask(client, order, "high", "/generate", {
                 "text": "c d", "sampling_params": {"max_new_tokens": 4}, "priority": 20}))
             await until(client, 1, 2)
             full = await client.post("/v1/completions", json={
                 "model": "k3", "prompt": "e", "max_tokens": 2, "priority": 0})
             tasks["bumped"] = asyncio.ensure_future(ask(
-                client, "bumped", "/v1/chat/completions", {**chat, "max_tokens": 4,
-                                                           "priority": 30}))
+                client, order, "bumped", "/v1/chat/completions", {**chat, "max_tokens": 4,
+                                                                  "priority": 30}))
             low = await tasks.pop("low")  # aborted at once for the newcomer
             await until(client, 1, 2)
             bad = await client.post("/v1/completions", json={
@@ -291,22 +293,18 @@ def test_the_model_preempts_for_a_higher_priority_as_the_real_engine_does(
     finished: list[str] = []
     long = 400
 
-    async def ask(client: httpx.AsyncClient, name: str, path: str,
-                  body: dict[str, object]) -> httpx.Response:
-        reply = await client.post(path, json=body)
-        finished.append(name)
-        return reply
-
     async def scenario() -> dict[str, httpx.Response]:
         async with httpx.AsyncClient(base_url=modelled.url, timeout=120) as client:
-            tasks = {"batch": asyncio.ensure_future(ask(client, "batch", "/v1/chat/completions", {
+            tasks = {"batch": asyncio.ensure_future(ask(
+                client, finished, "batch", "/v1/chat/completions", {
                 "model": "k3", "messages": [{"role": "user", "content": "hi"}],
                 "max_tokens": long, "ignore_eos": True, "priority": 0}))}
             await until(client, 1, 0)
-            tasks["queued"] = asyncio.ensure_future(ask(client, "queued", "/v1/completions", {
+            tasks["queued"] = asyncio.ensure_future(ask(
+                client, finished, "queued", "/v1/completions", {
                 "model": "k3", "prompt": "a b", "max_tokens": 4, "priority": 0}))
             await until(client, 1, 1)
-            tasks["urgent"] = asyncio.ensure_future(ask(client, "urgent", "/generate", {
+            tasks["urgent"] = asyncio.ensure_future(ask(client, finished, "urgent", "/generate", {
                 "text": "c d", "sampling_params": {"max_new_tokens": 4}, "priority": 10}))
             return dict(zip(tasks, await asyncio.gather(*tasks.values()), strict=True))
 
