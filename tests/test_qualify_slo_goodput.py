@@ -1,16 +1,13 @@
 """Goodput where people look (issue 24): the dashboard says, per service class, the share of
 the last hour's requests that got their promise, were refused at once and missed it, in the
 operator's words, next to the admission line; a class under 95 % is marked and points to the
-Usage page. Rows in the real usage table (SQLite), the page over real loopback HTTP."""
+Usage page. Rows written by the gateway's writer (SQLite), the page over real loopback HTTP."""
 
 from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy.orm import Session
-
-from appliance.db.models import UsageRequest
-from appliance.gateway.usage import ClassCount
+from appliance.gateway.usage import ClassCount, UsageRecord, write_batch
 from appliance.health.dashboard_views import goodput_lines
 from appliance.runtime import Runtime
 from tests.conftest import Console
@@ -29,16 +26,12 @@ def test_the_words_per_class() -> None:
 
 def add_rows(runtime: Runtime, cls: str, slo: str, count: int, *, minutes_ago: float,
              outcome: str = "ok") -> None:
+    """`count` requests, through the gateway's writer (the roll-ups too: the dashboard's
+    hour, when whole, is read from them)."""
     at = runtime.clock.now() - dt.timedelta(minutes=minutes_ago)
-
-    def write(session: Session) -> None:
-        for _ in range(count):
-            session.add(UsageRequest(
-                key_id=None, model="kimi-k3", endpoint="chat", stream=True,
-                status=429 if slo == "refused" else 200, outcome=outcome, started_at=at,
-                ended_at=at, service_class=cls, slo=slo))
-
-    runtime.db.call(write)
+    record = UsageRecord(None, "kimi-k3", "chat", True, 429 if slo == "refused" else 200,
+                         outcome, 0, 0, 0, at, at, 0.0, None, 0.0, service_class=cls, slo=slo)
+    runtime.db.call(lambda session: write_batch(session, [record] * count))
 
 
 def test_the_dashboard_shows_the_last_hours_goodput_beside_admission(

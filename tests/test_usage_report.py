@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import io
+from dataclasses import replace
 
 import pytest
 
@@ -284,10 +285,14 @@ def test_rollup_csv_and_empty_exports() -> None:
     rows = [row(at(30, 10), key_id=1, model="a,b", requests=3, errors=1, prompt=10,
                 completion=5, cached=4, duration=30.5, ttft=12.0, ttft_count=2, appended=1,
                 rewritten=1), row(at(30, 11), key_id=0, requests=2, errors=2)]
+    rows[0] = replace(rows[0], service_class="batch", slo_met=1, slo_refused=2,
+                      slo_missed_ttft=0, slo_missed_decode=0, refused_queue_timeout=2)
     table = parse(list(rollup_csv(rows, LABELS)))
     assert table[0] == list(ROLLUP_COLUMNS)
     assert table[1] == ["2026-11-30T10:00:00Z", "alpha", "aaaa1111", "a,b", "3", "1", "10",
-                        "5", "4", "30.5", "12.0", "2", "1", "1"]
+                        "5", "4", "30.5", "12.0", "2", "1", "1",
+                        "batch", "1", "2", "0", "0", "0", "0", "2"]  # the class's counts last
+    assert table[2][14:] == ["", "0", "0", "0", "0", "0", "0", "0"]  # no class known
     assert table[2][:3] == ["2026-11-30T11:00:00Z", "no key (refused)", ""]
     assert list(rollup_csv([], LABELS)) == [",".join(ROLLUP_COLUMNS) + "\r\n"]
     assert list(request_csv([], LABELS)) == [",".join(REQUEST_COLUMNS) + "\r\n"]

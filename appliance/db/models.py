@@ -370,12 +370,25 @@ class UsageRequest(Base):
                                      server_default=text("''"))
 
 
+def _count() -> Mapped[int]:
+    return mapped_column(Integer, nullable=False, default=0, server_default=text("0"))
+
+
 class _UsageRollup:
-    """Columns shared by the hourly and daily roll-ups: sums over one key and model."""
+    """Columns shared by the hourly and daily roll-ups: sums over one key, model and service
+    class (the key's class when it was served: "" before routing, and for every request
+    rolled up before migration 0016 whose per-request row was gone by then).
+
+    The `slo_*` counts are what the class's requests got of its promise
+    (`appliance.gateway.slo.RESULTS`); the `refused_*` ones split `slo_refused` by the
+    gateway's reason (`appliance.gateway.usage.REFUSAL_COLUMNS`). They let the per-class
+    counts outlive `gateway.usage_retention_days`."""
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     key_id: Mapped[int] = mapped_column(Integer, nullable=False)  # 0: no key (refused)
     model: Mapped[str] = mapped_column(String(200), nullable=False, default="")
+    service_class: Mapped[str] = mapped_column(String(32), nullable=False, default="",
+                                               server_default=text("''"))
     requests: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     errors: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
@@ -386,18 +399,28 @@ class _UsageRollup:
     ttft_count: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     appended: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     rewritten: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    slo_met: Mapped[int] = _count()
+    slo_refused: Mapped[int] = _count()
+    slo_missed_ttft: Mapped[int] = _count()
+    slo_missed_decode: Mapped[int] = _count()
+    refused_predicted_miss: Mapped[int] = _count()
+    refused_queue_full: Mapped[int] = _count()
+    refused_queue_timeout: Mapped[int] = _count()
+
+
+ROLLUP_GRAIN = ("bucket", "key_id", "model", "service_class")  # one roll-up row each
 
 
 class UsageHourly(_UsageRollup, Base):
     __tablename__ = "usage_hourly"
-    __table_args__ = (UniqueConstraint("bucket", "key_id", "model", name="uq_usage_hourly"),)
+    __table_args__ = (UniqueConstraint(*ROLLUP_GRAIN, name="uq_usage_hourly"),)
 
     bucket: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False, index=True)
 
 
 class UsageDaily(_UsageRollup, Base):
     __tablename__ = "usage_daily"
-    __table_args__ = (UniqueConstraint("bucket", "key_id", "model", name="uq_usage_daily"),)
+    __table_args__ = (UniqueConstraint(*ROLLUP_GRAIN, name="uq_usage_daily"),)
 
     bucket: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False, index=True)
 

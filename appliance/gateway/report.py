@@ -173,8 +173,10 @@ def check_prefix(prefix: str) -> str:
 
 @dataclass(frozen=True)
 class RollupRow:
-    """One roll-up row (per bucket, key and model) as the report reads it. key_id 0: a
-    request refused before a key was known."""
+    """One roll-up row (per bucket, key, model and service class) as the report reads it.
+    key_id 0: a request refused before a key was known; service_class "": none known (before
+    routing, or rolled up before the roll-ups kept classes). The `slo_*` and `refused_*`
+    counts are the class's (`appliance.gateway.usage.RESULT_COLUMNS`, `REFUSAL_COLUMNS`)."""
 
     bucket: dt.datetime
     key_id: int
@@ -189,6 +191,14 @@ class RollupRow:
     ttft_count: int
     appended: int
     rewritten: int
+    service_class: str = ""
+    slo_met: int = 0
+    slo_refused: int = 0
+    slo_missed_ttft: int = 0
+    slo_missed_decode: int = 0
+    refused_predicted_miss: int = 0
+    refused_queue_full: int = 0
+    refused_queue_timeout: int = 0
 
 
 @dataclass(frozen=True)
@@ -402,10 +412,14 @@ def _rollup_rows(session: Session, table: type[Rollup], start: dt.datetime,
     query = select(table).where(table.bucket >= start, table.bucket < end)
     if key_id is not None:
         query = query.where(table.key_id == key_id)
-    rows = session.scalars(query.order_by(table.bucket, table.key_id, table.model))
+    rows = session.scalars(query.order_by(table.bucket, table.key_id, table.model,
+                                          table.service_class))
     return [RollupRow(r.bucket, r.key_id, r.model, r.requests, r.errors, r.prompt_tokens,
                       r.completion_tokens, r.cached_tokens, r.duration_ms, r.ttft_ms,
-                      r.ttft_count, r.appended, r.rewritten) for r in rows]
+                      r.ttft_count, r.appended, r.rewritten, r.service_class, r.slo_met,
+                      r.slo_refused, r.slo_missed_ttft, r.slo_missed_decode,
+                      r.refused_predicted_miss, r.refused_queue_full,
+                      r.refused_queue_timeout) for r in rows]
 
 
 def usage_recorded(session: Session) -> bool:

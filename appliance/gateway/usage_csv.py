@@ -28,9 +28,13 @@ REQUEST_COLUMNS = ("id", "started_at", "ended_at", "key_name", "key_prefix", "mo
                    "endpoint", "stream", "status", "outcome", "prompt_tokens",
                    "completion_tokens", "cached_tokens", "queue_ms", "ttft_ms", "duration_ms",
                    "history", "service_class", "slo")
+# The class and its SLO counts come last, so a sheet that reads the earlier columns by
+# position still does; a bucket, key and model has a line per class its requests had.
 ROLLUP_COLUMNS = ("bucket", "key_name", "key_prefix", "model", "requests", "errors",
                   "prompt_tokens", "completion_tokens", "cached_tokens", "duration_ms_sum",
-                  "ttft_ms_sum", "ttft_count", "appended", "rewritten")
+                  "ttft_ms_sum", "ttft_count", "appended", "rewritten", "service_class",
+                  "slo_met", "slo_refused", "slo_missed_ttft", "slo_missed_decode",
+                  "refused_predicted_miss", "refused_queue_full", "refused_queue_timeout")
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 PAGE = 5000
 
@@ -89,13 +93,17 @@ def request_csv(rows: Iterable[RequestRow], labels: dict[int, KeyLabel]) -> Iter
 
 
 def rollup_csv(rows: Iterable[RollupRow], labels: dict[int, KeyLabel]) -> Iterator[str]:
-    """The roll-up export (hourly or daily rows, as given): the header, then a line a row."""
+    """The roll-up export (hourly or daily rows, as given): the header, then a line a row.
+    Its SLO counts are kept for good, unlike the per-request rows'."""
     yield csv_line(ROLLUP_COLUMNS)
     for r in rows:
         key = label_of(labels, r.key_id)
         yield csv_line((r.bucket, key.name, key.prefix, r.model, r.requests, r.errors,
                         r.prompt_tokens, r.completion_tokens, r.cached_tokens,
-                        r.duration_ms, r.ttft_ms, r.ttft_count, r.appended, r.rewritten))
+                        r.duration_ms, r.ttft_ms, r.ttft_count, r.appended, r.rewritten,
+                        r.service_class, r.slo_met, r.slo_refused, r.slo_missed_ttft,
+                        r.slo_missed_decode, r.refused_predicted_miss, r.refused_queue_full,
+                        r.refused_queue_timeout))
 
 
 def export_filename(what: str, span: Span, prefix: str = "") -> str:
