@@ -14,13 +14,14 @@ import csv
 import datetime as dt
 import io
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
 import pytest
 
 from appliance.gateway import keys
+from appliance.gateway.report import find_key
 from appliance.gateway.usage import UsageRecord, write_batch
 from appliance.runtime import Runtime
 from tests.conftest import Console, LiveServer, problem
@@ -75,6 +76,24 @@ def seed(runtime: Runtime) -> Seeded:
         return Seeded(alpha.prefix, beta.prefix, (alpha_key, beta_key))
 
     return runtime.db.call(write)
+
+
+def seed_classes(runtime: Runtime, data: Seeded) -> None:
+    """Judged requests this morning: alpha's interactive (2 met, 1 refused at once), beta's
+    batch (1 met, 1 too slow)."""
+    morning = runtime.clock.now().replace(hour=11, minute=20)
+    judged = [("alpha", "interactive", "met", "ok"), ("alpha", "interactive", "met", "ok"),
+              ("alpha", "interactive", "refused", "slo_ttft_predicted_miss"),
+              ("beta", "batch", "met", "ok"), ("beta", "batch", "missed_decode", "ok")]
+
+    def write(session: Any) -> None:
+        ids = {name: find_key(session, getattr(data, name)).id for name in ("alpha", "beta")}
+        write_batch(session, [replace(record(ids[name], morning, outcome=outcome,
+                                             status=429 if result == "refused" else 200),
+                                      service_class=cls, slo=result)
+                              for name, cls, result, outcome in judged])
+
+    runtime.db.call(write)
 
 
 @pytest.fixture
@@ -150,6 +169,20 @@ def test_dates_of_ones_own(logged_in: Console, data: Seeded) -> None:
     empty = get(logged_in, **{"from": "2026-01-01", "to": "2026-01-31"}).json()
     assert empty["totals"]["requests"] == 0 and empty["keys"] == []
     assert empty["totals"]["error_pct"] is None and len(empty["series"]) == 31
+
+
+def test_the_class_counts_follow_the_key(logged_in: Console, runtime: Runtime,
+                                         data: Seeded) -> None:
+    assert get(logged_in).json()["classes"] == []  # nothing judged yet
+    seed_classes(runtime, data)
+    batch = {"name": "batch", "requests": 2, "met": 1, "met_pct": 50.0, "refused": 0,
+             "refusals": [], "missed_ttft": 0, "missed_decode": 1}
+    interactive = {"name": "interactive", "requests": 3, "met": 2, "met_pct": 66.67,
+                   "refused": 1, "refusals": [{"code": "slo_ttft_predicted_miss", "count": 1}],
+                   "missed_ttft": 0, "missed_decode": 0}
+    assert get(logged_in).json()["classes"] == [batch, interactive]
+    assert get(logged_in, key=data.alpha).json()["classes"] == [interactive]
+    assert get(logged_in, range="30d", key=data.beta).json()["classes"] == [batch]
 
 
 def test_an_empty_database(logged_in: Console) -> None:

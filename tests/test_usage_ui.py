@@ -9,17 +9,19 @@ in the report's place, the nav, the login, and the formatters.
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 from html import unescape
 
 import httpx
 import pytest
 
+from appliance.gateway.usage import prune
 from appliance.runtime import Runtime
 from appliance.ui.usage import count, millis, percent
 from tests.conftest import Console, LiveServer
 from tests.test_no_cdn import EXTERNAL
-from tests.test_usage_api import Seeded, seed
+from tests.test_usage_api import Seeded, seed, seed_classes
 
 HTMX = {"HX-Request": "true"}
 
@@ -139,6 +141,41 @@ def test_refusals_show_in_the_reports_place(logged_in: Console, data: Seeded) ->
     unknown = logged_in.http.get("/usage", params={"key": "deadbeef"}, headers=HTMX)
     assert unknown.status_code == 404
     assert "there is no API key with prefix 'deadbeef'" in text_of(unknown.text)
+
+
+def class_rows(html: str) -> dict[str, str]:
+    """The service-class card's rows, as words, by class."""
+    body = re.search(r'<table class="figures usage-classes".*?<tbody>(.*?)</tbody>', html, re.S)
+    assert body, html
+    return {m.group(1): text_of(m.group(0)).strip()
+            for m in re.finditer(r'<tr data-class="([^"]+)">.*?</tr>', body.group(1), re.S)}
+
+
+def test_the_class_card_follows_the_key_picked(logged_in: Console, runtime: Runtime,
+                                               data: Seeded) -> None:
+    """Alpha's interactive requests and beta's batch ones (`seed_classes`, through the
+    gateway's writer): the card shows both for every key and only the picked key's
+    otherwise, on the page and in the htmx report, and still does once the per-request rows
+    are pruned (from the roll-ups)."""
+    seed_classes(runtime, data)
+    every = class_rows(logged_in.http.get("/usage").text)
+    assert every == {"interactive": "interactive 3 2 (66.7 %) 1 1 refused at once: the first "
+                                    "token would have come later than the key's class promises 0 0",
+                     "batch": "batch 2 1 (50.0 %) 0 0 1"}
+    for _ in range(2):  # the per-request rows, then the roll-ups alone
+        for headers in ({}, HTMX):
+            alpha = logged_in.http.get("/usage", params={"key": data.alpha}, headers=headers)
+            assert alpha.status_code == 200, alpha.text
+            assert class_rows(alpha.text) == {"interactive": every["interactive"]}
+            assert "Key alpha only, by the class" in text_of(alpha.text)
+            beta = logged_in.http.get("/usage", params={"key": data.beta}, headers=headers)
+            assert class_rows(beta.text) == {"batch": every["batch"]}
+        assert "Every key, by the class" in text_of(logged_in.http.get("/usage").text)
+        runtime.db.call(lambda s: prune(s, runtime.clock.now() + dt.timedelta(days=1)))
+    # a key with no judged request in the range: no card at all
+    week_ago = logged_in.http.get("/usage", params={
+        "range": "custom", "from": "2026-11-20", "to": "2026-11-21", "key": data.alpha})
+    assert 'id="usage-classes"' not in week_ago.text
 
 
 def test_login_needed(server: LiveServer) -> None:

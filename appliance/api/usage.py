@@ -4,7 +4,8 @@ Every route takes the same range and key parameters: `range=24h|7d|30d` (default
 `from=` (and `to=`, default now) as ISO dates or times in UTC; `key=PREFIX` limits the report
 to one gateway key. Spans up to three days are counted by hour, longer ones by UTC day.
 
-- `GET /api/v1/usage/` — the range, the key, the totals, a row per key and the series.
+- `GET /api/v1/usage/` — the range, the key, the totals, a row per key, the series, and per
+  service class what its requests got of its promise (`classes`; of the key, when given).
 - `GET /api/v1/usage/export.csv?granularity=request|hour|day` — per-request rows (kept
   `gateway.usage_retention_days`) or the hourly/daily roll-ups, streamed, with a header row.
 - `GET /api/v1/usage/chart.svg` — the chart of tokens and requests over time.
@@ -41,6 +42,7 @@ from appliance.gateway.report import (
     resolve_span,
     rollup_rows,
 )
+from appliance.gateway.usage import ClassCount, class_counts
 from appliance.gateway.usage_chart import render_usage_chart
 from appliance.gateway.usage_csv import (
     PAGE,
@@ -85,6 +87,13 @@ async def report_for(runtime: Runtime, span: Span, key: str | None) -> Report:
     return await runtime.db.run(lambda s: load_report(s, span, prefix))
 
 
+async def classes_for(runtime: Runtime, report: Report) -> list[ClassCount]:
+    """Per service class, what the report's requests got of its promise (of its key only,
+    when it has one), kept for good in the roll-ups (`class_counts`)."""
+    span, key_id = report.span, report.key.id if report.key else None
+    return await runtime.db.run(lambda s: class_counts(s, span.start, span.end, key_id))
+
+
 def chart_for(report: Report) -> str:
     """The report's chart (`appliance.gateway.usage_chart`), the same for the API and the
     page."""
@@ -111,7 +120,9 @@ async def usage_report(request: AdminRequest, range_name: RangeQuery = None,
     runtime = runtime_of(request)
     span = span_of(runtime, range_name, start, end)
     report = await report_for(runtime, span, key)
-    return {**report.to_dict(), "links": links(span, report.key.prefix if report.key else "")}
+    classes = [c.to_dict() for c in await classes_for(runtime, report)]
+    return {**report.to_dict(), "classes": classes,
+            "links": links(span, report.key.prefix if report.key else "")}
 
 
 @get("/chart.svg", summary="Tokens and requests over the range, SVG")

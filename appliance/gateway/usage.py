@@ -167,6 +167,14 @@ class ClassCount:
         """The share of its requests that got the promise (None: no request)."""
         return self.met / self.judged if self.judged else None
 
+    def to_dict(self) -> dict[str, Any]:
+        share = self.attainment
+        return {"name": self.name, "requests": self.judged, "met": self.met,
+                "met_pct": None if share is None else round(share * 100, 2),
+                "refused": self.refused,
+                "refusals": [{"code": code, "count": n} for code, n in self.refusals],
+                "missed_ttft": self.missed_ttft, "missed_decode": self.missed_decode}
+
 
 Piece = tuple[str, dt.datetime, dt.datetime]  # ("request" | "hour" | "day", start, end)
 HOUR, DAY = dt.timedelta(hours=1), dt.timedelta(days=1)

@@ -6,7 +6,8 @@ through htmx and pushes a clean `/usage?...` URL. Typing a date switches the ran
 "custom" (and the picker comes back out of band saying so); picking a named range ignores the
 dates. The report holds the totals (the errors by cause, from the per-request rows:
 `appliance.gateway.error_causes`), the chart (server-rendered SVG,
-`appliance.gateway.usage_chart`), a row per key and the CSV downloads, all from the same
+`appliance.gateway.usage_chart`), the per-class SLO counts (`appliance.gateway.usage.
+class_counts`, of the key picked), a row per key and the CSV downloads, all from the same
 helpers as the admin API (`appliance.api.usage`). A bad parameter shows as a problem in the
 report's place, with the picker still there. Before the gateway has recorded anything, the
 page says so instead.
@@ -27,6 +28,7 @@ from appliance.api.usage import (
     RangeQuery,
     ToQuery,
     chart_for,
+    classes_for,
     links,
     report_for,
     span_of,
@@ -34,7 +36,6 @@ from appliance.api.usage import (
 from appliance.errors import ApplianceError
 from appliance.gateway.error_causes import CAUSES, error_causes
 from appliance.gateway.report import DEFAULT_RANGE, RANGES, key_labels, usage_recorded
-from appliance.gateway.usage import class_counts
 from appliance.runtime import runtime_of
 from appliance.status import admission_standing
 from appliance.ui.login import AdminRequest
@@ -110,8 +111,7 @@ async def usage_page(request: AdminRequest, range_name: RangeQuery = None,
         key_id = report.key.id if report.key else None
         causes = await runtime.db.run(
             lambda s: error_causes(s, span.start, span.end, key_id))
-        context["classes"] = await runtime.db.run(
-            lambda s: class_counts(s, span.start, span.end))
+        context["classes"] = await classes_for(runtime, report)  # of the key picked
         context.update(report=report, causes=causes,
                        links=links(span, report.key.prefix if report.key else ""),
                        chart=Markup(chart_for(report)))  # noqa: S704 - escaped by usage_chart
