@@ -13,8 +13,17 @@ from appliance.config import Config, GatewayConfig, load_config
 from appliance.engine.args import Origin, build_launch_spec, inputs_from_config
 from appliance.engine.priority import AUTO_CONCURRENCY, preemption_threshold, priority_args
 from appliance.engine.validate import check_argv
+from appliance.gateway.app import FORWARDED_HEADERS
 from appliance.gateway.classes import BATCH, INTERACTIVE, effective, parse_classes
-from appliance.gateway.priority import priority_on, request_priority, with_priority
+from appliance.gateway.priority import (
+    HEADER_OVERRIDES_ENV,
+    OVERRIDE_HEADERS,
+    engine_env,
+    priority_headers,
+    priority_on,
+    request_priority,
+    with_priority,
+)
 
 SGLANG = ("/opt/appliance/engine/bin/sglang",)
 
@@ -150,3 +159,30 @@ def test_other_paths_and_priority_off_are_left_alone() -> None:
     assert with_priority(body, "/v1/chat/completions", None) is body
     with pytest.raises(ValueError, match="JSON object"):
         with_priority(b"[1]", "/generate", 1)
+
+
+def test_a_messages_request_carries_its_priority_in_a_header() -> None:
+    """SGLang's Anthropic body has no priority field: the header carries it there, and only
+    there (the other paths carry it in the body)."""
+    assert priority_headers("/v1/messages", 0) == {"x-override-priority": "0"}
+    assert priority_headers("/v1/messages", -7) == {"x-override-priority": "-7"}
+    assert priority_headers("/v1/messages", None) == {}  # priority scheduling off
+    for path in ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/models"):
+        assert priority_headers(path, 10) == {}
+
+
+def test_the_engine_reads_the_header_exactly_when_the_classes_add_priorities() -> None:
+    assert engine_env({}) == ()
+    one_priority = parse_classes({"batch": {"priority": 10}})  # interactive's too: nothing
+    assert not priority_on(one_priority) and engine_env(one_priority) == ()
+    classes = parse_classes({"interactive": {"ttft_slo_seconds": 5}})
+    assert priority_on(classes)
+    assert engine_env(classes) == ((HEADER_OVERRIDES_ENV, "1"),)
+
+
+def test_no_client_header_reaches_the_engine_as_an_override() -> None:
+    """With the engine's header overrides on, a client's `x-override-rid` or
+    `x-override-priority` would set that field of its request: the gateway forwards only the
+    headers it names, and none of them is one."""
+    assert not {h.decode() for h in FORWARDED_HEADERS} & OVERRIDE_HEADERS
+    assert all(h.startswith("x-override-") for h in OVERRIDE_HEADERS)

@@ -8,9 +8,21 @@ and on `/generate` (managers/io_struct.py: `GenerateReqInput.priority`). A large
 scheduled first (schedule_policy.py sorts by `priority * -1`, then arrival), which is the
 classes' convention too (`ServiceClass.priority`, larger first).
 
-Other paths get the body unchanged: SGLang's Anthropic `/v1/messages` model has no priority
-field, so such a request runs at the engine's `--default-priority-value` (the interactive
-class's priority).
+The Anthropic `/v1/messages` body cannot carry it: SGLang 0.5.23's `AnthropicMessagesRequest`
+(entrypoints/anthropic/protocol.py) has no `priority` and ignores unknown fields, and
+`AnthropicServing._convert_to_chat_completion_request` (serving.py) builds the internal
+`ChatCompletionRequest` from the fields it knows, so a `priority` in the body is dropped. The
+one way in is a header: `OpenAIServingChat._convert_to_internal_request`, which the Anthropic
+path calls with the raw request, applies `apply_header_overrides`
+(entrypoints/request_headers.py) when the engine runs with
+`SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1` (srt/environ.py, off by default), and
+`x-override-priority: N` then sets `GenerateReqInput.priority` (a value that is no integer is
+SGLang's 400). `priority_headers` gives that header and `engine_env` the variable; without
+both, such a request runs at the engine's `--default-priority-value` (the interactive
+class's priority). The variable also lets the engine's callers override `rid`, the PD
+bootstrap fields, `conversation_id` and the DP ranks (`OVERRIDE_HEADERS`), so a client's
+header of that name must never reach the engine: the gateway forwards only the headers it
+names (`appliance.gateway.app.FORWARDED_HEADERS`), none of them.
 
 Invariants: the result is the same JSON object with exactly one `priority` key, the class's;
 a client's own `priority` is replaced, never kept (a key must not lift itself above its
@@ -27,7 +39,17 @@ import msgspec
 from appliance.gateway.classes import ServiceClass, effective
 
 PRIORITY_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
+HEADER_PATHS = frozenset({"/v1/messages"})  # no body field: the priority goes in a header
 FIELD = b'"priority"'
+PRIORITY_HEADER = "x-override-priority"
+# The engine honours PRIORITY_HEADER only with this set (the launch spec's env, engine_env).
+HEADER_OVERRIDES_ENV = "SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES"
+# Every header SGLang 0.5.23 reads as an override once HEADER_OVERRIDES_ENV is on
+# (request_headers.py `_HEADER_OVERRIDES`): none may pass from a client to the engine.
+OVERRIDE_HEADERS = frozenset({
+    "x-override-rid", "x-override-bootstrap-host", "x-override-bootstrap-port",
+    "x-override-bootstrap-room", "x-override-conversation-id", "x-override-routed-dp-rank",
+    "x-override-disagg-prefill-dp-rank", PRIORITY_HEADER})
 
 
 def priority_on(configured: Mapping[str, ServiceClass]) -> bool:
@@ -63,3 +85,20 @@ def with_priority(body: bytes, path: str, priority: int | None) -> bytes:
     inner = end[body.index(b"{") + 1:-1]
     comma = b"," if inner.strip() else b""
     return end[:-1] + comma + b'"priority":' + str(int(priority)).encode() + b"}"
+
+
+def priority_headers(path: str, priority: int | None) -> dict[str, str]:
+    """The headers that carry `priority` to the engine on `path` when its body has no field
+    for it (`HEADER_PATHS`: SGLang's Anthropic endpoint); empty when `priority` is None
+    (priority scheduling off) or the body carries it (`with_priority`). The engine reads
+    the header only when launched with `engine_env`'s variable."""
+    if priority is None or path not in HEADER_PATHS:
+        return {}
+    return {PRIORITY_HEADER: str(int(priority))}
+
+
+def engine_env(configured: Mapping[str, ServiceClass]) -> tuple[tuple[str, str], ...]:
+    """The engine's environment for the classes' priorities to reach every path: SGLang's
+    header overrides on (`HEADER_OVERRIDES_ENV`) exactly when the gateway adds priorities
+    (`priority_on`), so a box without classes keeps its spec."""
+    return ((HEADER_OVERRIDES_ENV, "1"),) if priority_on(configured) else ()
