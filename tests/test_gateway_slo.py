@@ -1,6 +1,7 @@
 """Service classes and admission that predicts (issue 24), pure: the classes' validation, the
-TTFT estimate and its early refusal, the judgement of an answered request, and the admission
-queue's shares and priorities (asyncio, no sockets). Milliseconds."""
+TTFT estimate from the requests in flight and its early refusal, the judgement of an answered
+request, the admission queue's shares and priorities, and the class gate reading what is in
+flight (asyncio, no sockets, a clock moved by hand). Milliseconds."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from appliance.gateway import slo
 from appliance.gateway.admission import Admission
+from appliance.gateway.class_gate import ClassGate, Ticket
 from appliance.gateway.classes import (
     BATCH,
     DEFAULT_CLASSES,
@@ -19,10 +21,19 @@ from appliance.gateway.classes import (
     effective,
     parse_classes,
 )
+from appliance.gateway.errors import GatewayError
+from appliance.gateway.metrics import GatewayMetrics
 
 INTERACTIVE_5S = ServiceClass(INTERACTIVE, ttft_slo_seconds=5.0, decode_floor_tps=32.0,
                               priority=10)
 MEASURED = slo.Measures(slo.Ewma(20.0), slo.Ewma(4000.0))  # 20 s a request, 4,000 tok/s
+# ... decoding at 50 tokens/s, answers of 1,000 tokens
+STREAMING = slo.Measures(slo.Ewma(20.0), slo.Ewma(4000.0), slo.Ewma(50.0), slo.Ewma(1000.0))
+
+
+def stream(age: float, produced: int | None, max_tokens: int | None = 1000,
+           prompt: int = 8000) -> slo.Flight:
+    return slo.Flight(age, 1, prompt, max_tokens, produced)
 
 
 # --- classes ----------------------------------------------------------------------------------
@@ -32,7 +43,7 @@ def test_defaults_promise_nothing_new() -> None:
     assert interactive.ttft_slo_seconds is None and interactive.share == 1
     assert interactive.wait_allowance(60) == 60  # as gateway.queue_wait_seconds before classes
     assert DEFAULT_CLASSES[BATCH].wait_allowance(60) == 600
-    assert slo.admit(interactive, slo.Outlook(500, 0, 8, 10_000), MEASURED) is None
+    assert slo.admit(interactive, slo.Outlook(500, 0, (20.0,) * 8, 10_000), MEASURED) is None
 
 
 def test_a_table_changes_only_the_keys_it_names() -> None:
@@ -67,34 +78,103 @@ def test_bad_classes_name_the_key_and_the_next_step(raw: dict[str, object], key:
 # --- the estimate -----------------------------------------------------------------------------
 
 def test_a_free_slot_costs_only_the_prefill() -> None:
-    guess = slo.predict(slo.Outlook(0, 1, 8, 8000), MEASURED)
+    guess = slo.predict(slo.Outlook(0, 1, (20.0,) * 7, 8000), MEASURED)
     assert guess is not None and guess.wait_seconds == 0 and guess.seconds == 2.0
-    assert slo.admit(INTERACTIVE_5S, slo.Outlook(0, 1, 8, 8000), MEASURED) is None
+    assert slo.admit(INTERACTIVE_5S, slo.Outlook(0, 1, (20.0,) * 7, 8000), MEASURED) is None
 
 
-def test_a_queue_ahead_costs_a_slot_turn_each_and_is_refused_with_the_excess() -> None:
-    # 3 ahead, nothing free, 8 slots each freeing every 20 s: (3 + 1) x 20 / 8 = 10 s + 2 s
-    outlook = slo.Outlook(3, 0, 8, 8000)
+def test_the_wait_is_the_turn_of_the_slots_in_flight() -> None:
+    # 8 slots freeing every 2.5 s (2.5, 5, ... 20 s left), 3 ahead: the 4th frees at 10 s
+    outlook = slo.Outlook(3, 0, tuple(2.5 * i for i in range(1, 9)), 8000)
     guess = slo.predict(outlook, MEASURED)
-    assert guess is not None and guess.seconds == 12.0
+    assert guess is not None and guess.wait_seconds == 10.0 and guess.seconds == 12.0
     refusal = slo.admit(INTERACTIVE_5S, outlook, MEASURED)
     assert refusal is not None and refusal.retry_after == 7  # 12 s predicted, 5 s promised
     assert "within 5 s" in refusal.message and "interactive" in refusal.message
-    assert "3 requests wait ahead" in refusal.message and "batch key" in refusal.message
+    assert "all 8 slots it may use are taken and 3 requests wait ahead" in refusal.message
+    assert "about 10 s for a slot" in refusal.message and "batch key" in refusal.message
+
+
+def test_beyond_the_slots_in_flight_each_waiter_ahead_holds_one_service_time() -> None:
+    # 2 slots free in 1 and 3 s; 3 ahead take them at 1, 3 and 1 + 20 s; this one's turn is
+    # when the slot freed at 3 s frees again: 23 s
+    guess = slo.predict(slo.Outlook(3, 0, (1.0, 3.0), 0), MEASURED)
+    assert guess is not None and guess.wait_seconds == 23.0
+    # 3 ahead, 2 of them on the free slots now: the 3rd takes the 1 s slot, this one the 3 s
+    guess = slo.predict(slo.Outlook(3, 2, (1.0, 3.0), 0), MEASURED)
+    assert guess is not None and guess.wait_seconds == 3.0
+    refusal = slo.admit(INTERACTIVE_5S, slo.Outlook(5, 2, (1.0, 3.0), 0), MEASURED)
+    assert refusal is not None and "5 requests wait ahead of it for the 4 slots" \
+        in refusal.message
+
+
+def test_a_slot_about_to_free_is_worth_waiting_for() -> None:
+    """Six streams hold a slot each for about 20 s; the last is 990 of its 1,000 tokens in:
+    its slot frees in 0.2 s, so a new arrival is admitted to the queue. Dividing the class's
+    service time by its slots (the estimate before) said 20 / 6 = 3.3 s + 2 s: refused."""
+    flights = [(stream(age, int(age * 50)), STREAMING) for age in (1.0, 4.0, 7.0, 10.0, 13.0)]
+    flights.append((stream(19.8, 990), STREAMING))
+    outlook = slo.outlook(0, 0, flights, 8000)
+    assert outlook.residuals[0] == pytest.approx(0.2)
+    guess = slo.predict(outlook, STREAMING)
+    assert guess is not None and guess.seconds == pytest.approx(2.2)
+    assert slo.admit(INTERACTIVE_5S, outlook, STREAMING) is None
+
+
+def test_every_slot_long_to_run_is_refused_at_once_with_the_excess() -> None:
+    flights = [(stream(age, int(age * 50)), STREAMING) for age in (1.0, 2.0, 3.0, 4.0)]
+    outlook = slo.outlook(0, 0, flights, 8000)
+    refusal = slo.admit(INTERACTIVE_5S, outlook, STREAMING)
+    # the soonest to free has 1,000 - 200 tokens left at 50/s: 16 s, + 2 s of prefill
+    assert refusal is not None and refusal.retry_after == 13
+    assert "all 4 slots it may use are taken, so it would wait about 16 s" in refusal.message
+
+
+@pytest.mark.parametrize(("flight", "left"), [
+    (stream(10.0, 500), 10.0),  # 500 of 1,000 tokens to go at 50/s
+    (stream(0.5, 0), 1.5 + 20.0),  # still prefilling: 1.5 s of its 2 s left, then 1,000
+    (stream(10.0, 500, max_tokens=600), 2.0),  # its cap is nearer than the typical answer
+    (stream(10.0, 500, max_tokens=None), 10.0),  # no cap: the typical answer
+    (stream(30.0, 1500, max_tokens=4000), 50.0),  # longer than the typical: runs to its cap
+    (stream(30.0, 1500, max_tokens=None), 1.0),  # ... or, capless, overdue: 5 % of 20 s
+    (stream(12.0, None), 10.0),  # not a stream: as many tokens as its age had time for
+    (stream(20.0, 1000), 1.0),  # at its end: overdue, not gone
+])
+def test_a_residual_is_its_remaining_tokens_over_its_class_rate(flight: slo.Flight,
+                                                               left: float) -> None:
+    assert slo.residual(flight, STREAMING) == pytest.approx(left)
+
+
+def test_a_residual_without_a_decode_rate_is_the_service_time_left() -> None:
+    assert slo.residual(stream(5.0, 100), MEASURED) == 15.0
+    assert slo.residual(stream(25.0, 100), MEASURED) == 1.0  # overdue
+    assert slo.residual(stream(5.0, 100), slo.Measures()) == float("inf")
+    assert slo.residual(stream(5.0, 100), slo.Measures().with_prior(40.0)) == 35.0
 
 
 def test_nothing_measured_is_no_reason_to_refuse() -> None:
-    assert slo.predict(slo.Outlook(50, 0, 8, 0), slo.Measures()) is None
-    assert slo.admit(INTERACTIVE_5S, slo.Outlook(50, 0, 8, 0), slo.Measures()) is None
+    unknown = slo.outlook(50, 0, [(stream(1.0, 10), slo.Measures())] * 8, 0)
+    assert unknown.residuals == (float("inf"),) * 8
+    assert slo.predict(unknown, slo.Measures()) is None
+    assert slo.admit(INTERACTIVE_5S, unknown, slo.Measures()) is None
+    # a slot taken this instant by a request not yet in flight: its class's service time
+    fresh = slo.outlook(0, 0, [], 0, fresh=2, fresh_seconds=None)
+    assert slo.predict(fresh, slo.Measures()) is None
+    assert slo.outlook(0, 0, [], 0, fresh=2, fresh_seconds=20.0).residuals == (20.0, 20.0)
 
 
 def test_measures_move_with_what_the_gateway_sees() -> None:
     measures = slo.Measures().served(held_seconds=10.0, prompt_tokens=2000,
                                      engine_ttft_seconds=0.5)
     assert measures.service_seconds.value == 10.0 and measures.prefill_tps.value == 4000.0
+    assert measures.decode_tps.value is None and measures.completion_tokens.value is None
     measures = measures.served(held_seconds=20.0, prompt_tokens=0, engine_ttft_seconds=None)
     assert measures.service_seconds.value == pytest.approx(11.0)
     assert measures.prefill_tps.value == 4000.0  # a request without a first token says nothing
+    measures = measures.served(held_seconds=3.0, prompt_tokens=0, engine_ttft_seconds=None,
+                               completion_tokens=101, decode_seconds=2.0)
+    assert measures.decode_tps.value == 50.0 and measures.completion_tokens.value == 101
+    assert measures.with_prior(40.0) is measures  # measured: the prior stands aside
     assert slo.Ewma(1.0).add(float("nan")).value == 1.0
 
 
@@ -158,3 +238,123 @@ def test_higher_priority_waiters_go_first() -> None:
         return order
 
     assert asyncio.run(scenario()) == ["interactive", "batch"]
+
+
+# --- the gate: what is in flight --------------------------------------------------------------
+
+class Clock:
+    """The gate's clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def a_gate(limit: int, raw: dict[str, object] | None = None) -> tuple[ClassGate, Clock]:
+    clock = Clock()
+    classes = effective(parse_classes(raw or {"interactive": {"ttft_slo_seconds": 5}}))
+    return ClassGate(Admission(limit, 16), classes, 30.0, GatewayMetrics(), clock), clock
+
+
+def serve_one(gate: ClassGate, cls: str, *, held: float, prompt: int, tokens: int,
+              rate: float = 50.0) -> None:
+    """A stream of `cls` answered: its first token after 2 s, then `tokens` at `rate`/s."""
+    gate.served(cls, held_seconds=held, prompt_tokens=prompt, engine_ttft_seconds=2.0,
+                completion_tokens=tokens, decode_seconds=(tokens - 1) / rate)
+
+
+def aboard(gate: ClassGate, cls: str, produced: list[int], max_tokens: int = 1000,
+           prompt: int = 8000) -> Ticket:
+    """Take a slot and board it; `produced[0]` is its tokens streamed so far."""
+    assert gate.try_acquire(gate.of(cls), 1, prompt)
+    return gate.board(gate.of(cls), 1, prompt, max_tokens, lambda: produced[0])
+
+
+def test_a_request_finding_a_slot_about_to_free_queues_and_gets_it() -> None:
+    """Both slots are taken, one 990 tokens into its 1,000: its slot frees in 0.2 s, so a
+    new interactive request waits for it (the class's 22 s per request over 2 slots, the
+    estimate before, said 11 s: refused)."""
+    async def scenario() -> None:
+        gate, clock = a_gate(2)
+        interactive = gate.of(INTERACTIVE)
+        serve_one(gate, INTERACTIVE, held=22.0, prompt=8000, tokens=1000)
+        long = [0]
+        aboard(gate, INTERACTIVE, long)
+        ending = aboard(gate, INTERACTIVE, [0])
+        clock.now += 21.8
+        long[0] = 10
+        ending.progress = lambda: 990
+        gate.refuse_early(interactive, 8000)  # 0.2 s to a slot + 2 s of prefill: admitted
+        waiter = asyncio.create_task(gate.acquire(interactive, 7, 1, 8000))
+        await settle()
+        assert gate.admission.waiting == 1
+        gate.release(interactive, 1, ending)  # the stream ends
+        await asyncio.wait_for(waiter, 5)
+        assert gate.admission.waiting == 0 and gate.admission.in_use == 2
+        assert ending not in gate.flying and len(gate.flying) == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_request_finding_every_slot_long_to_run_is_refused_at_once() -> None:
+    gate, clock = a_gate(2)
+    interactive = gate.of(INTERACTIVE)
+    serve_one(gate, INTERACTIVE, held=22.0, prompt=8000, tokens=1000)
+    aboard(gate, INTERACTIVE, [100])
+    aboard(gate, INTERACTIVE, [200])
+    clock.now += 4.0
+    with pytest.raises(GatewayError) as refused:
+        gate.refuse_early(interactive, 8000)
+    err = refused.value
+    # 800 tokens left at 50/s: 16 s, + 2 s of prefill, over a 5 s promise by 13 s
+    assert err.status == 429 and err.code == slo.PREDICTED_MISS and err.retry_after == 13
+    assert "first token within 5 s" in str(err) and "about 16 s for a slot" in str(err)
+    assert gate.admission.waiting == 0  # never queued
+
+
+def test_batch_measures_do_not_change_an_interactive_estimate() -> None:
+    """A batch stream's 32K prompt and ten-minute hold feed batch's measures only; a batch
+    request holding a slot interactive could take counts with its own residual."""
+    gate, clock = a_gate(3, {"interactive": {"ttft_slo_seconds": 5},
+                             "batch": {"share": 0.5}})
+    interactive = gate.of(INTERACTIVE)
+    serve_one(gate, INTERACTIVE, held=22.0, prompt=8000, tokens=1000)
+    aboard(gate, INTERACTIVE, [500])
+    aboard(gate, INTERACTIVE, [600])
+    clock.now += 10.0
+    before = gate.outlook(interactive, 8000)
+    measured = gate.measured(INTERACTIVE)
+    serve_one(gate, BATCH, held=600.0, prompt=32768, tokens=1000, rate=999 / 598)
+    assert gate.measured(INTERACTIVE) == measured
+    assert gate.outlook(interactive, 8000) == before
+    assert slo.predict(before, measured) == slo.predict(gate.outlook(interactive, 8000),
+                                                        gate.measured(INTERACTIVE))
+    # the third slot, now taken by batch, frees by batch's measures: its 2 s of prefill,
+    # then 1,000 tokens at 1.67/s
+    aboard(gate, BATCH, [0], prompt=32768)
+    residuals = gate.outlook(interactive, 8000).residuals
+    assert len(residuals) == 3 and residuals[-1] == pytest.approx(2 + 1000 * 598 / 999)
+
+
+def test_a_class_at_its_share_waits_for_its_own_slots_only() -> None:
+    gate, _ = a_gate(4, {"bulk": {"share": 0.5, "ttft_slo_seconds": 60, "priority": 1},
+                         "batch": {"share": 0.25}})
+    bulk = gate.of("bulk")
+    serve_one(gate, INTERACTIVE, held=22.0, prompt=8000, tokens=1000)
+    serve_one(gate, "bulk", held=60.0, prompt=8000, tokens=1000)
+    aboard(gate, "bulk", [10])
+    aboard(gate, "bulk", [20])
+    aboard(gate, INTERACTIVE, [990])  # about to free, but not a slot bulk may take
+    outlook = gate.outlook(bulk, 8000)
+    assert outlook.free == 0 and len(outlook.residuals) == 2
+    assert min(outlook.residuals) == pytest.approx((1000 - 20) / 50)
+
+
+def test_a_slot_granted_before_its_request_boarded_counts_as_just_taken() -> None:
+    gate, _ = a_gate(2)
+    interactive = gate.of(INTERACTIVE)
+    serve_one(gate, INTERACTIVE, held=22.0, prompt=8000, tokens=1000)
+    assert gate.try_acquire(interactive, 1, 0) and gate.try_acquire(interactive, 1, 0)
+    assert gate.outlook(interactive, 0).residuals == (22.0, 22.0)

@@ -101,9 +101,9 @@ def test_the_point_is_the_total_and_each_classes_share_caps_its_part() -> None:
 
 def test_before_it_has_served_anything_the_estimate_uses_the_qualified_batch_time() -> None:
     """Right after a start the gateway has measured nothing: with the point's full batch (40
-    s at 2) as the service time, an interactive request behind a queue is refused at once;
-    unqualified it is admitted to the queue as before; once served, the gateway's own figure
-    wins."""
+    s at 2) as the service time of the two requests just admitted, an interactive request
+    that finds both slots taken is refused at once; unqualified it is admitted to the queue
+    as before; once served, the gateway's own figure wins."""
     classes = effective(parse_classes({"interactive": {"ttft_slo_seconds": 5}}))
     gate = ClassGate(Admission(2, 16), classes, 30.0, GatewayMetrics())
     interactive = gate.of(INTERACTIVE)
@@ -112,9 +112,9 @@ def test_before_it_has_served_anything_the_estimate_uses_the_qualified_batch_tim
     gate.admission.service_prior = 40.0  # what the gateway's poll sets at a qualified point
     with pytest.raises(GatewayError) as refused:
         gate.refuse_early(interactive, 0)
-    assert refused.value.status == 429 and "about 20 s for a slot" in str(refused.value)
-    gate.served(held_seconds=2.0, prompt_tokens=0, engine_ttft_seconds=None)
-    gate.refuse_early(interactive, 0)  # its own 2 s per request: 1 s to a slot, admitted
+    assert refused.value.status == 429 and "about 40 s for a slot" in str(refused.value)
+    gate.served(INTERACTIVE, held_seconds=2.0, prompt_tokens=0, engine_ttft_seconds=None)
+    gate.refuse_early(interactive, 0)  # its own 2 s per request: 2 s to a slot, admitted
 
 
 def test_the_ledger_keeps_the_slo_and_the_ttft_measured_at_the_point() -> None:

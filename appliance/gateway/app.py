@@ -74,6 +74,7 @@ class Exchange:
     response_done: bool = False
     service_class: str = ""  # the key's class, once routed to admission
     admitted: float | None = None  # perf_counter when it took its slot
+    prompt_estimate: int = 0  # admission's estimate of its prompt tokens (its prefill rate)
 
 
 class GatewayApp:
@@ -316,11 +317,12 @@ class GatewayApp:
                                  headers: dict[bytes, bytes], send: Send) -> None:
         parts = self.parts
         weight = parsed.n
-        tokens = estimate_prompt_tokens(parsed.body)
+        ex.prompt_estimate = tokens = estimate_prompt_tokens(parsed.body)
         cls = self.classes.of(key.service_class)
         ex.service_class = cls.name
         if parsed.endpoint.generates and not self.classes.try_acquire(cls, weight, tokens):
-            self.classes.refuse_early(cls, tokens)  # a 429 now, where a wait would miss the SLO
+            # a 429 now, where a wait would miss the SLO
+            self.classes.refuse_early(cls, tokens, weight)
             waited = time.perf_counter()
             try:
                 await self.classes.acquire(cls, key.id, weight, tokens)
@@ -331,6 +333,11 @@ class GatewayApp:
                 ex.queue_ms = (time.perf_counter() - waited) * 1000
                 parts.metrics.queue_wait.observe(ex.queue_ms / 1000)
         ex.admitted = time.perf_counter()
+        # in flight, for the next arrivals' estimates: its tokens so far once it streams
+        ticket = self.classes.board(
+            cls, weight, tokens, parsed.max_tokens,
+            lambda: ex.meter.events if ex.meter is not None else None) \
+            if parsed.endpoint.generates else None
         try:
             refusal = parts.gate.refusal()  # the engine may have begun to stop meanwhile
             if refusal is not None:
@@ -340,8 +347,8 @@ class GatewayApp:
                                                             cls.priority))
             await self._forward(ex, parsed, headers, send)
         finally:
-            if parsed.endpoint.generates:
-                self.classes.release(cls, weight)
+            if ticket is not None:
+                self.classes.release(cls, weight, ticket)
 
     def _busy(self, *, full: bool, waited: float) -> GatewayError:
         admission = self.parts.admission
@@ -473,9 +480,13 @@ class GatewayApp:
         streamed = ex.meter is not None and ex.ttft is not None
         first = ex.started + ex.ttft if ex.ttft is not None else None
         if ex.outcome == "ok" and generated and ex.admitted is not None:
-            self.classes.served(held_seconds=ended - ex.admitted,
-                                prompt_tokens=ex.usage.prompt_tokens,
+            # the prefill rate in estimated tokens, as the estimate divides them
+            self.classes.served(ex.service_class, held_seconds=ended - ex.admitted,
+                                prompt_tokens=ex.prompt_estimate,
                                 engine_ttft_seconds=first - ex.admitted
+                                if streamed and first is not None else None,
+                                completion_tokens=ex.usage.completion_tokens,
+                                decode_seconds=ended - first
                                 if streamed and first is not None else None)
         return self.classes.result(
             ex.service_class, ex.outcome, judged=generated,

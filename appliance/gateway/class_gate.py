@@ -1,21 +1,32 @@
 """The gateway's service classes at work (issue 24): admission per class, early refusal of
 interactive requests predicted to miss their TTFT SLO, and the per-class count of what each
 answered request got. The thin stateful shell around `appliance.gateway.slo` (pure): it holds
-the moving measures and reads the admission queue as it stands.
+each class's moving measures and the requests in flight (`Ticket`s), and reads the admission
+queue as it stands.
 
 A request of class C takes a slot at once when one is free under the limit and under C's
 share and nobody of C's priority or above waits; otherwise, when C has a TTFT SLO and the
 estimate says it would miss it, it is refused at once (429 `slo_ttft_predicted_miss`, with
 Retry-After); otherwise it waits in the fair queue for at most C's allowance (its deadline,
-else its SLO, else gateway.queue_wait_seconds), then 429 `queue_timeout`. Until the gateway
-has served a request since it started, the estimate's service time is the qualification's: a
-full batch at the qualified point (`Admission.service_prior`, set with the limit).
+else its SLO, else gateway.queue_wait_seconds), then 429 `queue_timeout`.
+
+The estimate reads the slots C could take: while C is held back by its own share, only its
+own class's requests free one for it; otherwise any admitted request does, of whatever
+class, each with its own class's measures. A class that has served nothing since the start
+borrows the qualification's full batch at the qualified point as its service time
+(`Admission.service_prior`, set with the limit), so a restart under load does not admit a
+queue blind; a slot granted this instant, before its request boarded, counts as freshly
+taken.
+
+Invariant: a Ticket is boarded after its slot is acquired and leaves with `release`, so the
+tickets are the admitted requests (less those granted but not yet resumed).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import replace
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from appliance.gateway import slo
 from appliance.gateway.admission import Admission
@@ -24,35 +35,73 @@ from appliance.gateway.errors import GatewayError
 from appliance.gateway.metrics import GatewayMetrics
 
 
+@dataclass(eq=False)
+class Ticket:
+    """One admitted request, as the estimate reads it. `progress` says how many tokens it
+    has streamed (None while that is unseen: not a stream, or its answer not begun)."""
+
+    service_class: str
+    weight: int
+    prompt_tokens: int
+    max_tokens: int | None
+    progress: Callable[[], int | None]
+    admitted: float = 0.0
+
+
 class ClassGate:
     def __init__(self, admission: Admission, classes: Mapping[str, ServiceClass],
-                 queue_wait_seconds: float, metrics: GatewayMetrics) -> None:
+                 queue_wait_seconds: float, metrics: GatewayMetrics,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.admission, self.classes, self.metrics = admission, classes, metrics
         self.queue_wait = queue_wait_seconds
-        self.measures = slo.Measures()
+        self.clock = clock
+        self.measures: dict[str, slo.Measures] = {}
+        self.flying: set[Ticket] = set()
 
     def of(self, name: str) -> ServiceClass:
         return class_of(self.classes, name)
 
+    def measured(self, name: str) -> slo.Measures:
+        """A class's measures, the qualification's service time standing in until it has
+        its own."""
+        return self.measures.get(name, slo.Measures()).with_prior(self.admission.service_prior)
+
     def try_acquire(self, cls: ServiceClass, weight: int, tokens: int) -> bool:
         return self.admission.try_acquire(weight, tokens, cls.name, cls.share, cls.priority)
 
-    def outlook(self, cls: ServiceClass, tokens: int) -> slo.Outlook:
+    def board(self, cls: ServiceClass, weight: int, tokens: int, max_tokens: int | None,
+              progress: Callable[[], int | None]) -> Ticket:
+        """Note a request that has just taken its slot; `release` ends it."""
+        ticket = Ticket(cls.name, weight, tokens, max_tokens, progress, self.clock())
+        self.flying.add(ticket)
+        return ticket
+
+    def outlook(self, cls: ServiceClass, tokens: int, weight: int = 1) -> slo.Outlook:
         admission = self.admission
         slots = min(admission.limit, admission.group_slots(cls.share))
-        free = min(admission.limit - admission.in_use,
-                   slots - admission.group_use.get(cls.name, 0))
-        return slo.Outlook(admission.waiting_at_or_above(cls.priority), max(0, free), slots,
-                           tokens)
+        own = admission.group_use.get(cls.name, 0)
+        free = min(admission.limit - admission.in_use, slots - own)
+        # held back by its share: only its own class's requests free a slot it can take
+        by_share = cls.share < 1 and own + weight > slots
+        now = self.clock()
+        flights: list[tuple[slo.Flight, slo.Measures]] = []
+        boarded = 0
+        for t in self.flying:
+            if by_share and t.service_class != cls.name:
+                continue
+            boarded += t.weight
+            flights.append((slo.Flight(now - t.admitted, t.weight, t.prompt_tokens,
+                                       t.max_tokens, t.progress()), self.measured(t.service_class)))
+        taken = own if by_share else admission.in_use
+        return slo.outlook(admission.waiting_at_or_above(cls.priority), free, flights, tokens,
+                           weight, fresh=taken - boarded,
+                           fresh_seconds=self.measured(cls.name).service_seconds.value)
 
-    def refuse_early(self, cls: ServiceClass, tokens: int) -> None:
+    def refuse_early(self, cls: ServiceClass, tokens: int, weight: int = 1) -> None:
         """Raise the early 429 when `cls` has a TTFT SLO this request is predicted to miss."""
-        measures = self.measures
-        prior = self.admission.service_prior
-        if measures.service_seconds.value is None and prior is not None:
-            # nothing served yet since the start: the qualification's batch time at the point
-            measures = replace(measures, service_seconds=slo.Ewma(prior))
-        refusal = slo.admit(cls, self.outlook(cls, tokens), measures)
+        if cls.ttft_slo_seconds is None:
+            return
+        refusal = slo.admit(cls, self.outlook(cls, tokens, weight), self.measured(cls.name))
         if refusal is not None:
             raise GatewayError(429, slo.PREDICTED_MISS, refusal.message,
                                retry_after=refusal.retry_after)
@@ -62,14 +111,19 @@ class ClassGate:
         await self.admission.acquire(key_id, weight, cls.wait_allowance(self.queue_wait),
                                      tokens, cls.name, cls.share, cls.priority)
 
-    def release(self, cls: ServiceClass, weight: int) -> None:
+    def release(self, cls: ServiceClass, weight: int, ticket: Ticket | None = None) -> None:
+        if ticket is not None:
+            self.flying.discard(ticket)
         self.admission.release(weight, cls.name)
 
-    def served(self, *, held_seconds: float, prompt_tokens: int,
-               engine_ttft_seconds: float | None) -> None:
-        self.measures = self.measures.served(held_seconds=held_seconds,
-                                             prompt_tokens=prompt_tokens,
-                                             engine_ttft_seconds=engine_ttft_seconds)
+    def served(self, cls_name: str, *, held_seconds: float, prompt_tokens: int,
+               engine_ttft_seconds: float | None, completion_tokens: int = 0,
+               decode_seconds: float | None = None) -> None:
+        """Feed `cls_name`'s measures with one answered request (slo.Measures.served)."""
+        self.measures[cls_name] = self.measures.get(cls_name, slo.Measures()).served(
+            held_seconds=held_seconds, prompt_tokens=prompt_tokens,
+            engine_ttft_seconds=engine_ttft_seconds, completion_tokens=completion_tokens,
+            decode_seconds=decode_seconds)
 
     def result(self, cls_name: str, outcome: str, *, judged: bool, ttft_seconds: float | None,
                completion_tokens: int, decode_seconds: float | None) -> str:

@@ -1,25 +1,41 @@
 """Admission that predicts (issue 24): will this request's first token come within its class's
 TTFT SLO? And afterwards: did the request get what its class promised? Pure.
 
-The estimate uses only what the gateway measured itself (`Measures`, moving averages of the
-requests it served): the requests waiting ahead of this one in its class and above, how long
-an admitted request holds its slot at the admission limit (so how often a slot frees), and
-the prompt's prefill cost (its estimated tokens over the prefill rate seen at the engine).
-With nothing measured yet the estimate is None, and the request is admitted as before
-classes: an early refusal must rest on evidence.
+The estimate uses only what the gateway knows itself: the requests in flight (when each took
+its slot, its class, the tokens it has streamed, its max_tokens), the requests waiting ahead
+of this one in its class and above, and what it measured of each class (`Measures`, moving
+averages of the requests of that class it served: how long one holds its slot, how fast it
+decodes, how long its answers are, the prefill rate its prompts saw). With nothing measured
+the estimate is None, and the request is admitted as before classes: an early refusal must
+rest on evidence.
 
     predicted TTFT = wait for a slot + prefill
-    wait for a slot = 0 while a slot is free to it, else
-                      (requests ahead - free slots + 1) x service time / slots of its class
-    prefill         = estimated prompt tokens / measured prefill tokens per second
+    wait for a slot = 0 while a slot is free to it, else the time until the
+                      (requests ahead + its weight - free slots)-th slot it can use frees
+    prefill         = estimated prompt tokens / its class's measured prefill rate
+
+Each in-flight request's residual (`residual`) is what is left of it: where its class's decode
+rate is measured, its remaining tokens over that rate (its tokens are its max_tokens, or its
+class's typical answer length while it has produced fewer than that: most requests stop
+before their cap, and one already longer than the typical is taken to run to its cap), plus
+what is left of its prefill; else its class's service time less its age. A request past its
+estimate (overdue) is taken to end soon, never at once (`OVERDUE_SHARE` of its class's
+service time).
+The slots are then played forward (`predict`): the soonest-freeing slot goes to the first
+waiter ahead, which holds it for this class's service time, and so on until this request's
+turn. A batch request holding a slot this class could take counts with its own class's
+residual; a batch request's long hold and 32K-token prompt never enter an interactive
+request's service time or prefill rate.
 
 A request whose predicted TTFT is over its class's SLO is refused at once (`Refusal`), with a
-Retry-After of the excess: by then the queue ahead of it has drained by that much.
+Retry-After of the excess: by then the slots ahead of it have freed by that much.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from appliance.gateway.classes import ServiceClass
@@ -34,6 +50,11 @@ RESULTS = (MET, REFUSED, MISSED_TTFT, MISSED_DECODE)
 PREDICTED_MISS = "slo_ttft_predicted_miss"
 REFUSALS = frozenset({PREDICTED_MISS, "queue_full", "queue_timeout"})
 ALPHA = 0.1  # weight of a new sample: about the last 20 requests count
+# A request already past its estimate (overdue) ends "soon": this share of its class's
+# service time.
+# Not zero: it is evidently longer than most, and a row of overdue requests must not read
+# as a row of free slots.
+OVERDUE_SHARE = 0.05
 
 
 @dataclass(frozen=True)
@@ -52,31 +73,97 @@ class Ewma:
 
 @dataclass(frozen=True)
 class Measures:
-    """What the gateway has seen of the engine: the seconds an admitted request holds its
-    slot, and the prompt tokens per second of the engine's time to a first token."""
+    """What the gateway has seen of one class's requests at the engine: the seconds one holds
+    its slot, the (estimated) prompt tokens per second of the engine's time to a first token,
+    the tokens per second a stream decodes at, and the tokens an answer has."""
 
     service_seconds: Ewma = Ewma()
     prefill_tps: Ewma = Ewma()
+    decode_tps: Ewma = Ewma()
+    completion_tokens: Ewma = Ewma()
 
     def served(self, *, held_seconds: float, prompt_tokens: int,
-               engine_ttft_seconds: float | None) -> Measures:
+               engine_ttft_seconds: float | None, completion_tokens: int = 0,
+               decode_seconds: float | None = None) -> Measures:
         """With one more answered request: `held_seconds` from admission to its end,
-        `engine_ttft_seconds` from admission to its first byte (None: not seen)."""
-        prefill = self.prefill_tps
+        `engine_ttft_seconds` from admission to its first byte, `decode_seconds` from its
+        first token to its last (None: not seen, not a stream)."""
+        prefill, decode = self.prefill_tps, self.decode_tps
         if engine_ttft_seconds is not None and engine_ttft_seconds > 0 and prompt_tokens > 0:
             prefill = prefill.add(prompt_tokens / engine_ttft_seconds)
+        if decode_seconds is not None and decode_seconds > 0 and completion_tokens > 1:
+            decode = decode.add((completion_tokens - 1) / decode_seconds)
+        answered = self.completion_tokens.add(completion_tokens) if completion_tokens > 0 \
+            else self.completion_tokens
         return replace(self, service_seconds=self.service_seconds.add(held_seconds),
-                       prefill_tps=prefill)
+                       prefill_tps=prefill, decode_tps=decode, completion_tokens=answered)
+
+    def with_prior(self, service_seconds: float | None) -> Measures:
+        """These measures, with `service_seconds` as the service time while none is
+        measured (the qualification's batch time right after a start)."""
+        if self.service_seconds.value is not None or service_seconds is None:
+            return self
+        return replace(self, service_seconds=Ewma(service_seconds))
+
+
+@dataclass(frozen=True)
+class Flight:
+    """One admitted request as a new arrival finds it."""
+
+    age_seconds: float  # since it took its slot
+    weight: int  # the slots it holds (its n)
+    prompt_tokens: int  # estimated (appliance.gateway.admission.estimate_prompt_tokens)
+    max_tokens: int | None  # its cap (None: none sent)
+    produced: int | None  # the tokens it has streamed (None: not a stream yet, unseen)
+
+
+def residual(flight: Flight, measures: Measures) -> float:
+    """The seconds until `flight` frees its slot, by its own class's `measures` (with the
+    prior filled in); infinity where nothing is known (no evidence: never a reason to
+    refuse)."""
+    service = measures.service_seconds.value
+    rate = measures.decode_tps.value
+    age = flight.age_seconds
+    floor = OVERDUE_SHARE * service if service is not None else 0.0
+    typical = measures.completion_tokens.value
+    if rate:
+        prefill_rate = measures.prefill_tps.value
+        prefill = flight.prompt_tokens / prefill_rate if prefill_rate else 0.0
+        produced = flight.produced
+        if produced is None:  # its tokens are unseen: as many as its age has had time for
+            produced = int(max(0.0, age - prefill) * rate)
+        total = flight.max_tokens
+        if typical is not None and produced < typical:
+            total = round(typical) if total is None else min(total, round(typical))
+        if total is not None:
+            pending = max(0.0, prefill - age) if produced == 0 else 0.0
+            left = pending + (total - produced) / rate
+            return left if left > 0 else floor
+    if service is None:
+        return math.inf
+    return service - age if service > age else floor
 
 
 @dataclass(frozen=True)
 class Outlook:
-    """The queue as a new request finds it."""
+    """The slots as a new request finds them."""
 
     ahead: int  # weight waiting in its class and above (granted before it)
     free: int  # slots it could take now: under the limit and under its class's share
-    slots: int  # slots its class may hold at once (how many free up in parallel for it)
+    residuals: tuple[float, ...]  # seconds until each taken slot it could use frees, one a slot
     prompt_tokens: int  # estimated (appliance.gateway.admission.estimate_prompt_tokens)
+    weight: int = 1
+
+
+def outlook(ahead: int, free: int, flights: Sequence[tuple[Flight, Measures]],
+            prompt_tokens: int, weight: int = 1, fresh: int = 0,
+            fresh_seconds: float | None = None) -> Outlook:
+    """The Outlook from the in-flight requests whose slots this class could take, each with
+    its class's measures; `fresh` slots taken by requests not yet seen in flight (granted
+    this instant) hold `fresh_seconds` each (None: unknown)."""
+    left = [residual(f, m) for f, m in flights for _ in range(max(1, f.weight))]
+    left += [math.inf if fresh_seconds is None else fresh_seconds] * max(0, fresh)
+    return Outlook(ahead, max(0, free), tuple(sorted(left)), prompt_tokens, weight)
 
 
 @dataclass(frozen=True)
@@ -95,16 +182,28 @@ class Refusal:
 
 
 def predict(outlook: Outlook, measures: Measures) -> Prediction | None:
-    """The expected seconds to this request's first token; None when the gateway has not
-    measured what the estimate needs."""
+    """The expected seconds to this request's first token, by its class's `measures`; None
+    when the gateway has not measured what the estimate needs.
+
+    The slots are played forward: each turn the soonest-freeing slot goes to the next in
+    line (the waiters ahead, then this request), and a waiter's slot frees again after this
+    class's service time. Exact for requests that take their measured time; as good as the
+    residuals otherwise."""
     prefill_rate = measures.prefill_tps.value
     prefill = outlook.prompt_tokens / prefill_rate if prefill_rate else 0.0
-    if outlook.ahead < outlook.free:
+    turns = outlook.ahead + outlook.weight - outlook.free
+    if turns <= 0:
         return Prediction(prefill, 0.0, prefill)
     service = measures.service_seconds.value
-    if service is None:
+    slots = list(outlook.residuals)  # sorted: already a heap
+    if not slots:
         return None
-    wait = (outlook.ahead - outlook.free + 1) * service / max(1, outlook.slots)
+    wait = 0.0
+    for _ in range(turns):
+        wait = heapq.heappop(slots)
+        if math.isinf(wait):
+            return None
+        heapq.heappush(slots, math.inf if service is None else wait + service)
     return Prediction(wait + prefill, wait, prefill)
 
 
@@ -118,12 +217,20 @@ def admit(cls: ServiceClass, outlook: Outlook, measures: Measures) -> Refusal | 
     if guess is None or guess.seconds <= slo:
         return None
     retry = max(1, math.ceil(guess.seconds - slo))
+    taken = len(outlook.residuals)
+    if outlook.free:
+        busy = f"{outlook.ahead} requests wait ahead of it for the {taken + outlook.free} " \
+            "slots it may use"
+    else:
+        busy = f"all {taken} slots it may use are taken"
+        if outlook.ahead:
+            busy += f" and {outlook.ahead} requests wait ahead of it"
     return Refusal(
         f"the box is too busy to give this request its first token within {slo:g} s, the "
-        f"promise of its key's class ({cls.name}): {outlook.ahead} requests wait ahead of it "
-        f"and it would wait about {guess.wait_seconds:.0f} s for a slot plus "
-        f"{guess.prefill_seconds:.1f} s of prefill (about {guess.seconds:.0f} s in all); "
-        f"retry in {retry} s, or send work that can wait with a batch key", retry)
+        f"promise of its key's class ({cls.name}): {busy}, so it would wait about "
+        f"{guess.wait_seconds:.0f} s for a slot plus {guess.prefill_seconds:.1f} s of prefill "
+        f"(about {guess.seconds:.0f} s in all); retry in {retry} s, or send work that can "
+        f"wait with a batch key", retry)
 
 
 def judge(cls: ServiceClass, *, ttft_seconds: float | None, completion_tokens: int,
