@@ -3,7 +3,8 @@ capacity on the calibrated engine emulator, straight to the engine, through the 
 qualified admission (no classes), and through SLO-aware admission (the classes on).
 
     .venv/bin/python benchmarks/slo_goodput.py [--scale 0.1] [--levels 0.5,1,1.5,2]
-        [--minutes 2] [--drain 120] [--batch-share 0.2] [--point 8] [--seed 24] [--keep]
+        [--minutes 2] [--drain 120] [--batch-share 0.2] [--point 8] [--capacity N]
+        [--seed 24] [--keep]
 
 One engine emulator (`FAKE_SGLANG_PERF=k3-b300`, `--max-running-requests 62`, its clock
 `FAKE_SGLANG_TIME_SCALE=--scale` times real: 0.1 runs ten times faster) and two gateway
@@ -19,9 +20,12 @@ the qualified point:
              32 tokens/s floor (refused at once with 429 when predicted to miss), batch with
              a 600 s deadline, half the slots, a lower priority; a key of each
 
-The qualified capacity (requests per model minute) is measured first: one direct burst of
-`--point` interactive requests, capacity = point / their mean duration (Little's law). Then
-for each level x that capacity and each mode the same seeded Poisson schedule for
+The qualified capacity (requests per model minute) is measured first: one burst of
+`--point` interactive requests through the SLO gateway (its first measures, as a gateway in
+service has), capacity = point / their mean duration (Little's law; `--capacity`, in
+requests per model minute, replaces it, so that two runs, before and after a change, send
+the same schedules; the burst runs anyway). Then for each level x that capacity and each
+mode the same seeded Poisson schedule for
 `--minutes` model minutes: each arrival is batch with probability `--batch-share` (a
 32,768-token prompt, 1,000 tokens out), else interactive (8,192 in, 1,000 out), each one
 `/v1/completions` stream (a unique prompt, `ignore_eos`). After the last arrival the cell
@@ -381,14 +385,18 @@ def main() -> int:
     parser.add_argument("--batch-share", type=float, default=0.2,
                         help="the share of arrivals that are batch (default 0.2)")
     parser.add_argument("--point", type=int, default=8, help="the qualified point (users)")
+    parser.add_argument("--capacity", type=float, default=None,
+                        help="the qualified capacity in requests per model minute, for the "
+                        "same schedules in two runs (default: the burst's measure)")
     parser.add_argument("--seed", type=int, default=24)
     parser.add_argument("--keep", action="store_true", help="keep the work folder and logs")
     args = parser.parse_args()
     levels = [float(v) for v in args.levels.split(",")]
     if not (0 < args.scale <= 1 and args.minutes > 0 and args.drain >= 0
-            and 0 <= args.batch_share < 1 and 1 <= args.point <= MAX_RUNNING and levels):
+            and 0 <= args.batch_share < 1 and 1 <= args.point <= MAX_RUNNING and levels
+            and (args.capacity is None or args.capacity > 0)):
         parser.error("--scale in (0, 1], --minutes > 0, --drain >= 0, --batch-share in [0, 1),"
-                     f" --point in 1..{MAX_RUNNING}, at least one level")
+                     f" --point in 1..{MAX_RUNNING}, --capacity > 0, at least one level")
     work = Path(tempfile.mkdtemp(prefix="slo-goodput-"))
     started = time.monotonic()
     children: list[Child] = []
@@ -402,6 +410,9 @@ def main() -> int:
         rate = asyncio.run(capacity(boxes["slo"], args.point, args.scale))
         print(f"qualified capacity: {rate * 60:.1f} requests per model minute at {args.point} "
               f"users (scale {args.scale:g}: one model second is {args.scale:g} s)", flush=True)
+        if args.capacity is not None:  # the burst still ran: the SLO gateway's first measures
+            rate = args.capacity / 60
+            print(f"  the schedules use --capacity {args.capacity:g} instead", flush=True)
         results: dict[tuple[float, str], Figures] = {}
         for number, level in enumerate(levels):
             arrivals = schedule(rate * level, args.minutes * 60, args.batch_share,
