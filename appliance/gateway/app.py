@@ -26,7 +26,6 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import aiohttp
 import msgspec
 
 from appliance.gateway import validate
@@ -34,6 +33,7 @@ from appliance.gateway.admission import QueueFull, QueueTimeout, estimate_prompt
 from appliance.gateway.class_gate import ClassGate
 from appliance.gateway.classes import effective
 from appliance.gateway.errors import GatewayError, stream_cut
+from appliance.gateway.h1 import Response, UpstreamFailed
 from appliance.gateway.keycache import presented_key
 from appliance.gateway.keys import KeyEntry
 from appliance.gateway.parts import GatewayParts
@@ -395,35 +395,40 @@ class GatewayApp:
                     ex.response_started = ex.response_done = True
                     await _respond(send, response.status, body,
                                    response.headers.get("content-type",
-                                                        "application/json").encode())
+                                                        "application/json").encode("latin-1"))
         except GatewayError:
             raise
-        except (TimeoutError, aiohttp.ServerTimeoutError):
+        except TimeoutError:
             if ex.response_started:
                 ex.outcome = "upstream_timeout"
                 await _end_stream(send, _cut(ex, target, anthropic))
                 return
             raise GatewayError(504, "engine_timeout", f"{target} did not answer within "
                                "gateway.first_byte_timeout_seconds") from None
-        except aiohttp.ClientError as exc:
+        except UpstreamFailed as exc:
             if ex.response_started:
                 ex.outcome = "upstream_error"
                 await _end_stream(send, _cut(ex, target, anthropic))
                 return
             raise route.unreachable(exc) from None
 
-    async def _stream(self, ex: Exchange, parsed: Parsed, response: aiohttp.ClientResponse,
+    async def _stream(self, ex: Exchange, parsed: Parsed, response: Response,
                       send: Send, target: str) -> None:
         meter = ex.meter = StreamMeter(strip_usage=not parsed.wants_usage)
         ex.usage = meter.usage  # filled in as the events pass
         ex.response_started = True
         await send({"type": "http.response.start", "status": 200, "headers": STREAM_HEADERS})
-        async for chunk in response.content.iter_any():
-            if ex.ttft is None:
-                ex.ttft = time.perf_counter() - ex.started
-            out = meter.feed(chunk)
+        chunk: bytes | None = await response.chunk()
+        if chunk:
+            ex.ttft = time.perf_counter() - ex.started
+        # the per-token loop: names looked up once, the upstream read without a coroutine
+        feed, take, arrival = meter.feed, response.take, response.arrival
+        while chunk:
+            out = feed(chunk)
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
+            while (chunk := take()) is None:
+                await arrival()
         tail = meter.finish()
         if not meter.ended:  # the upstream closed it cleanly, yet before its last event
             ex.outcome = "stream_interrupted"

@@ -1,10 +1,10 @@
-"""The gateway's client to the engine on 127.0.0.1: one aiohttp session with a keep-alive
-pool, opened when the gateway starts.
+"""The gateway's client to the engine on 127.0.0.1, opened when the gateway starts: the
+generation requests go through `appliance.gateway.h1` (a lean HTTP/1.1 client whose cost per
+streamed token is a parser call: the hot path), the few JSON reads (`get_json`: the engine's
+figures, the cell's loads) through one aiohttp session.
 
-aiohttp's client rather than httpx's: for a streaming passthrough it was measured several
-times faster on these machines (see benchmarks/gateway_throughput.py), and the gateway's
-whole budget is a millisecond. Timeouts: connecting must take under 5 s; the first byte and
-every later read may take up to `read_timeout` (a long prompt's prefill, a busy engine).
+Timeouts: connecting must take under 5 s; the first byte and every later read may take up to
+`read_timeout` (a long prompt's prefill, a busy engine).
 Every request carries the engine's API key (`appliance.secrets.engine_api_key`), which SGLang
 demands on all but /health*, /ready* and /metrics*; the client's own Authorization header is
 never forwarded.
@@ -19,6 +19,8 @@ from typing import Any
 
 import aiohttp
 
+from appliance.gateway import h1
+
 CONNECT_TIMEOUT = 5.0
 
 
@@ -28,16 +30,23 @@ class Upstream:
         self.read_timeout = read_timeout
         self.api_key = api_key
         self._session: aiohttp.ClientSession | None = None
+        self._client: h1.Client | None = None
 
     async def start(self) -> None:
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        self._client = h1.Client(read_timeout=self.read_timeout,
+                                 connect_timeout=CONNECT_TIMEOUT, headers=auth)
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=None)
         self._session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",),
-            headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else None,
+            headers=auth,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT,
                                           sock_read=self.read_timeout))
 
     async def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -49,8 +58,9 @@ class Upstream:
         return self._session
 
     def request(self, method: str, path: str, body: bytes | None,
-                headers: dict[str, str], base_url: str | None = None) -> Any:
-        """An aiohttp request context (`async with upstream.request(...) as response`), to
+                headers: dict[str, str], base_url: str | None = None) -> h1.Call:
+        """A request context (`async with upstream.request(...) as response`, an
+        `h1.Response`: its failures are `h1.UpstreamTimeout` and `h1.UpstreamFailed`), to
         the local engine unless `base_url` names another upstream (a cell's router).
 
         A request to the router goes on a connection of its own (`Connection: close`):
@@ -61,8 +71,9 @@ class Upstream:
         +0.2 ms on fresh ones; a loopback connection costs far less than that."""
         if base_url is not None and base_url != self.base_url:
             headers = {**headers, "Connection": "close"}
-        return self.session.request(method, (base_url or self.base_url) + path, data=body,
-                                    headers=headers, allow_redirects=False)
+        if self._client is None:
+            raise RuntimeError("the gateway's upstream client is not started")
+        return self._client.request(method, (base_url or self.base_url) + path, body, headers)
 
     async def get_json(self, path: str, timeout: float = 5.0,
                        base_url: str | None = None) -> Any:
