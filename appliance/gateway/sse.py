@@ -19,10 +19,11 @@ Anthropic's (`input_tokens`, `output_tokens`, `cache_read_input_tokens`).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
@@ -64,8 +65,8 @@ def usage_of(body: bytes) -> Usage:
     usage = Usage()
     if _USAGE.search(body):
         try:
-            data = json.loads(body)
-        except ValueError:
+            data = msgspec.json.decode(body)
+        except msgspec.DecodeError:
             return usage
         if isinstance(data, dict):
             usage.merge(data.get("usage"))
@@ -89,6 +90,10 @@ class StreamMeter:
     def feed(self, chunk: bytes) -> bytes:
         """Account for `chunk`; returns the bytes to forward now."""
         if not self._tail and chunk.endswith(_SEP):  # whole events, the usual chunk
+            if b'"usage"' not in chunk and b"[DONE]" not in chunk and b"event:" not in chunk:
+                # a token's event (or a few): the per-token path, `_account`'s first branch
+                self.events += chunk.count(b"data:")
+                return chunk
             if self.strip_usage:
                 return self._account(chunk, cut=True)
             self._account(chunk)
@@ -136,8 +141,8 @@ class StreamMeter:
                 continue
             payload = event[event.index(b"data:") + 5:]
             try:
-                data = json.loads(payload)
-            except ValueError:
+                data = msgspec.json.decode(payload)
+            except msgspec.DecodeError:
                 kept.append(event)
                 continue
             if isinstance(data, dict):
