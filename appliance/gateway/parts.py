@@ -255,7 +255,9 @@ def build_gateway(config: Config, *, clock: Clock | None = None, db: Database | 
                   idle_after: float = IDLE_AFTER,
                   auth_failures: AuthFailures | None = None) -> GatewayParts:
     clock = clock or SystemClock()
-    db = db or Database(config.database_url)
+    # connections kept open: the gateway runs a few small transactions a second (its polls,
+    # the usage writer) and never replaces the database file
+    db = db or Database(config.database_url, kept_connections=2)
     gateway = config.gateway
     upstream = Upstream(engine_url or local_engine_url(config),
                         float(gateway.first_byte_timeout_seconds),

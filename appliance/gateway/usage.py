@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sqlalchemy import delete, func, insert, select
@@ -78,7 +78,9 @@ def write_batch(session: Session, records: Sequence[UsageRecord]) -> None:
         return
     # One executemany through Core: the ORM's unit of work costs several times more per row,
     # and the gateway writes every request.
-    session.execute(insert(UsageRequest), [asdict(r) for r in records])
+    # `vars`, not `dataclasses.asdict`: asdict deep-copies every value (the datetimes too),
+    # which was over half of a flush's CPU, on the gateway's worker thread beside the streams.
+    session.execute(insert(UsageRequest), [dict(vars(r)) for r in records])
     _add_to_rollup(session, UsageHourly, hour_of, records)
     _add_to_rollup(session, UsageDaily, day_of, records)
 
