@@ -37,7 +37,7 @@ from appliance.gateway.h1 import Response, UpstreamFailed
 from appliance.gateway.keycache import presented_key
 from appliance.gateway.keys import KeyEntry
 from appliance.gateway.parts import GatewayParts
-from appliance.gateway.priority import priority_on, with_priority
+from appliance.gateway.priority import priority_headers, priority_on, with_priority
 from appliance.gateway.qualified import retry_after
 from appliance.gateway.sse import StreamMeter, Usage, usage_of
 from appliance.gateway.usage import UsageRecord
@@ -370,6 +370,10 @@ class GatewayApp:
         for name in FORWARDED_HEADERS:
             if name in headers:
                 upstream_headers[name.decode()] = headers[name].decode("latin-1")
+        if self.engine_priority and parsed.endpoint.generates:
+            # where the body has no priority field (/v1/messages), SGLang reads a header
+            upstream_headers.update(priority_headers(
+                parsed.endpoint.path, self.classes.of(ex.service_class).priority))
         anthropic = parsed.endpoint.anthropic
         route = self.parts.gate.route  # the one the gate just let this request through by
         target = route.upstream_name
