@@ -342,10 +342,13 @@ class GatewayApp:
             refusal = parts.gate.refusal()  # the engine may have begun to stop meanwhile
             if refusal is not None:
                 raise refusal
+            carried: dict[str, str] = {}
             if self.engine_priority and parsed.endpoint.generates:
+                # in the body where SGLang has the field, else in its header (/v1/messages)
                 parsed = replace(parsed, body=with_priority(parsed.body, parsed.endpoint.path,
                                                             cls.priority))
-            await self._forward(ex, parsed, headers, send)
+                carried = priority_headers(parsed.endpoint.path, cls.priority)
+            await self._forward(ex, parsed, headers, send, carried)
         finally:
             if ticket is not None:
                 self.classes.release(cls, weight, ticket)
@@ -365,15 +368,14 @@ class GatewayApp:
                             f"busy: {admission.in_use} running); retry later", retry_after=retry)
 
     async def _forward(self, ex: Exchange, parsed: Parsed, headers: dict[bytes, bytes],
-                       send: Send) -> None:
+                       send: Send, carried: dict[str, str]) -> None:
+        """Send the request on (with the client's `FORWARDED_HEADERS` and the gateway's own
+        `carried` ones) and its answer back."""
         upstream_headers = {"content-type": "application/json"}
         for name in FORWARDED_HEADERS:
             if name in headers:
                 upstream_headers[name.decode()] = headers[name].decode("latin-1")
-        if self.engine_priority and parsed.endpoint.generates:
-            # where the body has no priority field (/v1/messages), SGLang reads a header
-            upstream_headers.update(priority_headers(
-                parsed.endpoint.path, self.classes.of(ex.service_class).priority))
+        upstream_headers.update(carried)
         anthropic = parsed.endpoint.anthropic
         route = self.parts.gate.route  # the one the gate just let this request through by
         target = route.upstream_name
