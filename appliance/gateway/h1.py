@@ -55,9 +55,10 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self.address: tuple[str, int] = ("", 0)  # as the pool knows it
-        self._reset()
+        self.reset()
 
-    def _reset(self) -> None:
+    def reset(self) -> None:
+        """Ready for the next response (a new connection, or one taken from the pool)."""
         self.parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.headers: dict[str, str] = {}
@@ -145,19 +146,20 @@ class _Connection(asyncio.Protocol):
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def wait(self) -> None:
-        """Until something new arrived (headers, body, the end, a failure)."""
+    def arrival(self) -> asyncio.Future[None]:
+        """A future done when something new arrives (headers, body, the end, a failure)."""
         waiter = self.waiter = self.loop.create_future()
-        await waiter
+        return waiter
 
 
 class Response:
     """An upstream's answer: status and headers once `Client.request` returned it, the body
     read with `chunk()` (what arrived since the last call, b"" at its end) or `read()`."""
 
-    def __init__(self, connection: _Connection, timeout: float) -> None:
+    def __init__(self, connection: _Connection) -> None:
         self._conn = connection
-        self._timeout = timeout
+        # the connection's own method, bound here: a stream calls it once per token
+        self.arrival = connection.arrival
         self.status = connection.status
         self.headers: Mapping[str, str] = connection.headers
 
@@ -180,12 +182,6 @@ class Response:
         if conn.error is not None:
             raise conn.error
         return b"" if conn.done else None
-
-    def arrival(self) -> asyncio.Future[None]:
-        """A future done when something new arrives (body, the end, a failure)."""
-        conn = self._conn
-        waiter = conn.waiter = conn.loop.create_future()
-        return waiter
 
     async def chunk(self) -> bytes:
         """What arrived since the last call, waiting for it; b"" at the body's end."""
@@ -244,8 +240,8 @@ class Call:
         while not conn.headers_done:
             if conn.error is not None:
                 raise conn.error
-            await conn.wait()
-        self.response = Response(conn, client.read_timeout)
+            await conn.arrival()
+        self.response = Response(conn)
         return self.response
 
     def _watch(self) -> None:
@@ -303,7 +299,7 @@ class Client:
         while idle:
             conn = idle.pop()
             if not conn.closed and loop.time() - conn.idle_since < self.keepalive:
-                conn._reset()
+                conn.reset()
                 return conn
             conn.close()
         try:
