@@ -86,12 +86,16 @@ class ClassGate:
         now = self.clock()
         flights: list[tuple[slo.Flight, slo.Measures]] = []
         boarded = 0
+        measures: dict[str, slo.Measures] = {}  # each class's, looked up once per outlook
         for t in self.flying:
             if by_share and t.service_class != cls.name:
                 continue
             boarded += t.weight
+            mine = measures.get(t.service_class)
+            if mine is None:
+                mine = measures[t.service_class] = self.measured(t.service_class)
             flights.append((slo.Flight(now - t.admitted, t.weight, t.prompt_tokens,
-                                       t.max_tokens, t.progress()), self.measured(t.service_class)))
+                                       t.max_tokens, t.progress()), mine))
         taken = own if by_share else admission.in_use
         return slo.outlook(admission.waiting_at_or_above(cls.priority), free, flights, tokens,
                            weight, fresh=taken - boarded,

@@ -98,6 +98,12 @@ class Measures:
         return replace(self, service_seconds=self.service_seconds.add(held_seconds),
                        prefill_tps=prefill, decode_tps=decode, completion_tokens=answered)
 
+    def prefill_seconds(self, prompt_tokens: int) -> float:
+        """The engine's time to prefill `prompt_tokens` (estimated) at the measured rate;
+        0 while no rate is measured."""
+        rate = self.prefill_tps.value
+        return prompt_tokens / rate if rate else 0.0
+
     def with_prior(self, service_seconds: float | None) -> Measures:
         """These measures, with `service_seconds` as the service time while none is
         measured (the qualification's batch time right after a start)."""
@@ -127,8 +133,7 @@ def residual(flight: Flight, measures: Measures) -> float:
     floor = OVERDUE_SHARE * service if service is not None else 0.0
     typical = measures.completion_tokens.value
     if rate:
-        prefill_rate = measures.prefill_tps.value
-        prefill = flight.prompt_tokens / prefill_rate if prefill_rate else 0.0
+        prefill = measures.prefill_seconds(flight.prompt_tokens)
         produced = flight.produced
         if produced is None:  # its tokens are unseen: as many as its age has had time for
             produced = int(max(0.0, age - prefill) * rate)
@@ -189,8 +194,7 @@ def predict(outlook: Outlook, measures: Measures) -> Prediction | None:
     line (the waiters ahead, then this request), and a waiter's slot frees again after this
     class's service time. Exact for requests that take their measured time; as good as the
     residuals otherwise."""
-    prefill_rate = measures.prefill_tps.value
-    prefill = outlook.prompt_tokens / prefill_rate if prefill_rate else 0.0
+    prefill = measures.prefill_seconds(outlook.prompt_tokens)
     turns = outlook.ahead + outlook.weight - outlook.free
     if turns <= 0:
         return Prediction(prefill, 0.0, prefill)
