@@ -52,6 +52,7 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
 
 def test_a_stream_arrives_chunk_by_chunk_and_its_connection_is_used_again() -> None:
     peers: list[int] = []
+    read: asyncio.Queue[None] = asyncio.Queue()  # the client's word that it read an event
 
     async def stream(request: web.Request) -> web.StreamResponse:
         assert request.transport is not None
@@ -60,9 +61,9 @@ def test_a_stream_arrives_chunk_by_chunk_and_its_connection_is_used_again() -> N
         assert await request.read() == b'{"a": 1}'
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for i in range(3):
+        for i in range(3):  # the next event only once the client read this one
             await response.write(f"data: {i}\n\n".encode())
-            await asyncio.sleep(0.01)
+            await read.get()
         await response.write_eof()
         return response
 
@@ -79,12 +80,13 @@ def test_a_stream_arrives_chunk_by_chunk_and_its_connection_is_used_again() -> N
                     assert response.content_type == "text/event-stream"
                     while chunk := await response.chunk():
                         got.append(chunk)
+                        read.put_nowait(None)
             client.close()
             return got
 
     got = asyncio.run(scenario())
-    assert b"".join(got) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n" * 2
-    assert len(got) >= 4  # read as it came, not gathered at the end
+    # each event read as it came, not gathered at the end
+    assert got == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n"] * 2
     assert peers[0] == peers[1]  # one connection, kept alive and used again
 
 
@@ -145,8 +147,8 @@ def test_an_upstream_gone_silent_times_out_and_one_that_keeps_sending_does_not()
         silent = b"/silent" in request
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
                      b"Connection: close\r\n\r\n")
-        for _ in range(6):  # 6 x 0.15 s: longer than the 0.4 s timeout in all, never between
-            await asyncio.sleep(0.15)
+        for _ in range(12):  # 12 x 0.1 s: longer than the 1 s timeout in all, never between
+            await asyncio.sleep(0.1)
             if not silent:
                 writer.write(b"2\r\nab\r\n")
         with contextlib.suppress(ConnectionError):
@@ -156,7 +158,7 @@ def test_an_upstream_gone_silent_times_out_and_one_that_keeps_sending_does_not()
 
     async def scenario() -> tuple[bytes, BaseException | None]:
         async with raw_server(slow) as url:
-            client = Client(read_timeout=0.4, connect_timeout=5)
+            client = Client(read_timeout=1.0, connect_timeout=5)
             async with client.request("POST", url + "/busy", b"{}", {}) as response:
                 body = await response.read()
             try:
@@ -167,8 +169,8 @@ def test_an_upstream_gone_silent_times_out_and_one_that_keeps_sending_does_not()
             return body, None
 
     body, error = asyncio.run(scenario())
-    assert body == b"ab" * 6
-    assert isinstance(error, TimeoutError) and "sent nothing for 0.4 s" in str(error)
+    assert body == b"ab" * 12
+    assert isinstance(error, TimeoutError) and "sent nothing for 1 s" in str(error)
 
 
 def test_nothing_listening_and_a_bad_answer_are_failures_that_say_so() -> None:
@@ -217,7 +219,11 @@ def test_a_reader_slower_than_its_upstream_pauses_it_and_loses_nothing() -> None
             client = Client(read_timeout=10, connect_timeout=5)
             total, paused = 0, False
             async with client.request("POST", url + "/f", b"{}", {}) as response:
-                await asyncio.sleep(0.5)  # let the server run ahead
+                # the server runs ahead until the client pauses it (bounded: 30 s)
+                deadline = asyncio.get_running_loop().time() + 30
+                while not response._conn.paused and \
+                        asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(0.01)
                 paused = response._conn.paused
                 while chunk := await response.chunk():
                     total += len(chunk)
