@@ -57,6 +57,39 @@ def test_configured_classes_launch_priority_scheduling_with_preemption_of_batch(
     assert check_argv(argv) == []
 
 
+def test_a_box_without_priorities_keeps_its_environment() -> None:
+    """No classes, or classes of one priority: the header overrides stay off (SGLang's
+    default), so the spec's environment and hash are what they were before issue 24."""
+    for classes in (None, {"batch": {"priority": 10}}):
+        spec = spec_for(classes)
+        assert spec.env == (("PYTHONUNBUFFERED", "1"),), spec.env
+        assert spec.spec_hash == spec_for(None).spec_hash
+
+
+def test_configured_classes_turn_the_header_overrides_on() -> None:
+    """With priorities on, the engine reads the gateway's `x-override-priority` (the one way
+    a /v1/messages request's class priority reaches it): the variable is in the spec's
+    environment, its hash, its launch file, and the exec guard admits it."""
+    from appliance.engine.args import ENV_REASONS, LaunchSpec
+    from appliance.engine.exec_guard import check_spec
+
+    spec = spec_for({"interactive": {"ttft_slo_seconds": 5}})
+    assert spec.env == (("PYTHONUNBUFFERED", "1"), (HEADER_OVERRIDES_ENV, "1"))
+    assert spec.spec_hash != spec_for(None).spec_hash
+    assert HEADER_OVERRIDES_ENV in ENV_REASONS
+    assert LaunchSpec.from_json(spec.to_json()) == spec
+    assert check_spec(spec) == []
+
+
+def test_the_operators_environment_still_wins_over_the_classes() -> None:
+    config = Config(gateway=GatewayConfig(classes=parse_classes({"batch": {"share": 0.5}})))
+    config = dataclasses.replace(config, engine=dataclasses.replace(
+        config.engine, extra_env={HEADER_OVERRIDES_ENV: "0", "SGLANG_USE_CPU_ENGINE": "1"}))
+    env = build_launch_spec(SGLANG, inputs_from_config(config)).env
+    assert env == (("PYTHONUNBUFFERED", "1"), (HEADER_OVERRIDES_ENV, "0"),
+                   ("SGLANG_USE_CPU_ENGINE", "1"))
+
+
 def test_the_spec_changes_with_priorities_not_with_slos() -> None:
     one = spec_for({"interactive": {"ttft_slo_seconds": 5}})
     two = spec_for({"interactive": {"ttft_slo_seconds": 9}, "batch": {"share": 0.2}})

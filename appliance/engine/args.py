@@ -65,7 +65,9 @@ spec keeps its argv and its hash. Flag names and defaults are 0.5.23's
                             host pool to fit host memory (arg_groups/hicache_hook.py:100-126)
 The classes layer (config `[gateway.classes]`): SGLang's priority scheduling flags for the
 service classes, none without configured classes (`appliance.engine.priority` says which and
-why). See ENV_REASONS for the environment.
+why), and with them SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1 in the environment
+(`appliance.gateway.priority.engine_env`), so a /v1/messages request's class priority reaches
+the engine in a header. See ENV_REASONS for the environment.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ from typing import TYPE_CHECKING, Any
 
 from appliance.engine import flags
 from appliance.engine.priority import priority_args
+from appliance.gateway.priority import engine_env
 from appliance.secrets import engine_auth_path
 
 if TYPE_CHECKING:
@@ -116,6 +119,14 @@ ENV_REASONS: dict[str, str] = {
         "for a request's KV once it has room (srt/environ.py:763, 300 by default). It covers "
         "the prefill's queue and the longest prompt's prefill; a dead prefill is found sooner "
         "by the decode's heartbeat (2 misses of 5 s)"
+    ),
+    "SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES": (
+        "set to 1 when the service classes turn priority scheduling on "
+        "(appliance.gateway.priority.engine_env): a /v1/messages body has no priority field, "
+        "and the header overrides let the gateway's x-override-priority set that request's "
+        "priority (srt/entrypoints/request_headers.py, off by default: srt/environ.py). The "
+        "gateway never forwards a client's x-override-* headers (OVERRIDE_HEADERS), so no "
+        "caller sets another request's rid, bootstrap or priority"
     ),
 }
 FORBIDDEN_ENV = ("NOTIFY_SOCKET",)
@@ -308,8 +319,10 @@ def inputs_from_config(
         role_args=role_args(config.cell if role is None else replace(config.cell, role=role)),
         class_args=priority_args(config.gateway.classes, queue_max=config.gateway.queue_max,
                                  max_concurrency=config.gateway.max_concurrency),
-        # The role's variables, then the operator's (engine.extra_env, e.g. CPU mode).
+        # The role's variables, the classes' (header overrides, for /v1/messages
+        # priorities), then the operator's (engine.extra_env, e.g. CPU mode), which win.
         extra_env=(*role_env(config.cell, role or config.cell.role),
+                   *engine_env(config.gateway.classes),
                    *engine.extra_env.items()),
         operator_args=engine.extra_args,
         engine_auth=engine_auth_path(config.paths.state_dir),
