@@ -31,6 +31,10 @@ MEASURED = slo.Measures(slo.Ewma(20.0), slo.Ewma(4000.0))  # 20 s a request, 4,0
 STREAMING = slo.Measures(slo.Ewma(20.0), slo.Ewma(4000.0), slo.Ewma(50.0), slo.Ewma(1000.0))
 
 
+def admit(cls: ServiceClass, outlook: slo.Outlook, measures: slo.Measures) -> slo.Refusal | None:
+    return slo.admit(cls, outlook, measures, slo.predict(outlook, measures))
+
+
 def stream(age: float, produced: int | None, max_tokens: int | None = 1000,
            prompt: int = 8000) -> slo.Flight:
     return slo.Flight(age, 1, prompt, max_tokens, produced)
@@ -43,7 +47,7 @@ def test_defaults_promise_nothing_new() -> None:
     assert interactive.ttft_slo_seconds is None and interactive.share == 1
     assert interactive.wait_allowance(60) == 60  # as gateway.queue_wait_seconds before classes
     assert DEFAULT_CLASSES[BATCH].wait_allowance(60) == 600
-    assert slo.admit(interactive, slo.Outlook(500, 0, (20.0,) * 8, 10_000), MEASURED) is None
+    assert admit(interactive, slo.Outlook(500, 0, (20.0,) * 8, 10_000), MEASURED) is None
 
 
 def test_a_table_changes_only_the_keys_it_names() -> None:
@@ -80,7 +84,7 @@ def test_bad_classes_name_the_key_and_the_next_step(raw: dict[str, object], key:
 def test_a_free_slot_costs_only_the_prefill() -> None:
     guess = slo.predict(slo.Outlook(0, 1, (20.0,) * 7, 8000), MEASURED)
     assert guess is not None and guess.wait_seconds == 0 and guess.seconds == 2.0
-    assert slo.admit(INTERACTIVE_5S, slo.Outlook(0, 1, (20.0,) * 7, 8000), MEASURED) is None
+    assert admit(INTERACTIVE_5S, slo.Outlook(0, 1, (20.0,) * 7, 8000), MEASURED) is None
 
 
 def test_the_wait_is_the_turn_of_the_slots_in_flight() -> None:
@@ -88,7 +92,7 @@ def test_the_wait_is_the_turn_of_the_slots_in_flight() -> None:
     outlook = slo.Outlook(3, 0, tuple(2.5 * i for i in range(1, 9)), 8000)
     guess = slo.predict(outlook, MEASURED)
     assert guess is not None and guess.wait_seconds == 10.0 and guess.seconds == 12.0
-    refusal = slo.admit(INTERACTIVE_5S, outlook, MEASURED)
+    refusal = admit(INTERACTIVE_5S, outlook, MEASURED)
     assert refusal is not None and refusal.retry_after == 7  # 12 s predicted, 5 s promised
     assert "within 5 s" in refusal.message and "interactive" in refusal.message
     assert "all 8 slots it may use are taken and 3 requests wait ahead" in refusal.message
@@ -103,7 +107,7 @@ def test_beyond_the_slots_in_flight_each_waiter_ahead_holds_one_service_time() -
     # 3 ahead, 2 of them on the free slots now: the 3rd takes the 1 s slot, this one the 3 s
     guess = slo.predict(slo.Outlook(3, 2, (1.0, 3.0), 0), MEASURED)
     assert guess is not None and guess.wait_seconds == 3.0
-    refusal = slo.admit(INTERACTIVE_5S, slo.Outlook(5, 2, (1.0, 3.0), 0), MEASURED)
+    refusal = admit(INTERACTIVE_5S, slo.Outlook(5, 2, (1.0, 3.0), 0), MEASURED)
     assert refusal is not None and "5 requests wait ahead of it for the 4 slots" \
         in refusal.message
 
@@ -118,13 +122,13 @@ def test_a_slot_about_to_free_is_worth_waiting_for() -> None:
     assert outlook.residuals[0] == pytest.approx(0.2)
     guess = slo.predict(outlook, STREAMING)
     assert guess is not None and guess.seconds == pytest.approx(2.2)
-    assert slo.admit(INTERACTIVE_5S, outlook, STREAMING) is None
+    assert admit(INTERACTIVE_5S, outlook, STREAMING) is None
 
 
 def test_every_slot_long_to_run_is_refused_at_once_with_the_excess() -> None:
     flights = [(stream(age, int(age * 50)), STREAMING) for age in (1.0, 2.0, 3.0, 4.0)]
     outlook = slo.outlook(0, 0, flights, 8000)
-    refusal = slo.admit(INTERACTIVE_5S, outlook, STREAMING)
+    refusal = admit(INTERACTIVE_5S, outlook, STREAMING)
     # the soonest to free has 1,000 - 200 tokens left at 50/s: 16 s, + 2 s of prefill
     assert refusal is not None and refusal.retry_after == 13
     assert "all 4 slots it may use are taken, so it would wait about 16 s" in refusal.message
@@ -156,7 +160,7 @@ def test_nothing_measured_is_no_reason_to_refuse() -> None:
     unknown = slo.outlook(50, 0, [(stream(1.0, 10), slo.Measures())] * 8, 0)
     assert unknown.residuals == (float("inf"),) * 8
     assert slo.predict(unknown, slo.Measures()) is None
-    assert slo.admit(INTERACTIVE_5S, unknown, slo.Measures()) is None
+    assert admit(INTERACTIVE_5S, unknown, slo.Measures()) is None
     # a slot taken this instant by a request not yet in flight: its class's service time
     fresh = slo.outlook(0, 0, [], 0, fresh=2, fresh_seconds=None)
     assert slo.predict(fresh, slo.Measures()) is None
@@ -287,7 +291,8 @@ def test_a_request_finding_a_slot_about_to_free_queues_and_gets_it() -> None:
         long[0] = 10
         ending.progress = lambda: 990
         gate.refuse_early(interactive, 8000)  # 0.2 s to a slot + 2 s of prefill: admitted
-        waiter = asyncio.create_task(gate.acquire(interactive, 7, 1, 8000))
+        waiter = asyncio.create_task(
+            gate.acquire(interactive, 7, 1, 8000, gate.allowance(interactive, 8000)))
         await settle()
         assert gate.admission.waiting == 1
         gate.release(interactive, 1, ending)  # the stream ends
@@ -358,3 +363,94 @@ def test_a_slot_granted_before_its_request_boarded_counts_as_just_taken() -> Non
     serve_one(gate, INTERACTIVE, held=22.0, prompt=8000, tokens=1000)
     assert gate.try_acquire(interactive, 1, 0) and gate.try_acquire(interactive, 1, 0)
     assert gate.outlook(interactive, 0).residuals == (22.0, 22.0)
+
+
+# --- prefill ahead in the engine, the headroom, the queue allowance ---------------------------
+
+def prefilling(age: float, prompt: int = 8000, outranks: bool = True) -> slo.Flight:
+    return slo.Flight(age, 1, prompt, 1000, 0, outranks)
+
+
+def test_prefill_ahead_in_the_engine_counts_unless_it_ranks_below() -> None:
+    """Two admitted interactive prompts still prefilling (2 s each at 4,000 tok/s, 0.5 s and
+    1.5 s in): 1.5 + 0.5 s of the engine's prefill go before a new request's own 2 s. A
+    batch prompt below its priority does not: priority scheduling takes this one first."""
+    flights = [(prefilling(0.5), STREAMING), (prefilling(1.5), STREAMING),
+               (prefilling(0.1, 32768, outranks=False), STREAMING)]
+    outlook = slo.outlook(0, 1, flights, 8000)
+    assert outlook.backlog == pytest.approx(2.0)
+    guess = slo.predict(outlook, STREAMING)
+    assert guess is not None and guess.wait_seconds == 0 and guess.seconds == pytest.approx(4.0)
+    # streaming already: nothing left to prefill
+    assert slo.pending_prefill(stream(3.0, 10), STREAMING) == 0.0
+
+
+def test_prefill_ahead_is_done_while_the_request_waits_for_its_slot() -> None:
+    outlook = slo.Outlook(0, 0, (1.5, 30.0), 8000, backlog=2.0)
+    guess = slo.predict(outlook, STREAMING)  # its slot in 1.5 s; 0.5 s of backlog left
+    assert guess is not None and guess.seconds == pytest.approx(1.5 + 0.5 + 2.0)
+    assert guess.prefill_seconds == pytest.approx(2.5)
+
+
+def test_the_headroom_is_how_late_the_estimates_ran_one_time_in_ten() -> None:
+    measures = STREAMING
+    for _ in range(slo.ERRORS_NEEDED - 1):
+        measures = measures.erred(2.0)
+    assert measures.headroom(5.0) == 0.0  # too few to tell
+    measures = STREAMING
+    for late in [-0.5] * 30 + [0.2] * 15 + [0.8] * 5:
+        measures = measures.erred(late)
+    assert len(measures.errors) == slo.ERRORS_KEPT
+    assert measures.headroom(5.0) == pytest.approx(0.8)  # the slowest tenth
+    for _ in range(slo.ERRORS_KEPT):
+        measures = measures.erred(-1.0)  # early every time: no headroom, never negative
+    assert measures.headroom(5.0) == 0.0
+    for _ in range(slo.ERRORS_KEPT):
+        measures = measures.erred(9.0)
+    assert measures.headroom(5.0) == 2.5  # at most half the promise
+    assert measures.erred(float("nan")) == measures
+
+
+def test_a_request_inside_the_slo_but_not_its_headroom_is_refused_and_told_why() -> None:
+    late = STREAMING
+    for _ in range(slo.ERRORS_KEPT):
+        late = late.erred(1.0)
+    outlook = slo.Outlook(0, 0, (2.5, 30.0), 8000)  # 2.5 s to a slot + 2 s: 4.5 s
+    assert admit(INTERACTIVE_5S, outlook, STREAMING) is None
+    refusal = admit(INTERACTIVE_5S, outlook, late)
+    assert refusal is not None and refusal.retry_after == 1
+    assert "one in ten such estimates ran 1.0 s late or more" in refusal.message
+
+
+def test_a_waiter_may_wait_only_as_long_as_its_prefill_leaves_it() -> None:
+    """Interactive (5 s) whose 8,000-token prompt takes 2 s to prefill: a slot granted after
+    3 s cannot give it its first token in time, so it waits 3 s at most; a second's measured
+    lateness takes another second; batch keeps its deadline."""
+    gate, _ = a_gate(2, {"interactive": {"ttft_slo_seconds": 5},
+                         "batch": {"deadline_seconds": 600}})
+    interactive, batch = gate.of(INTERACTIVE), gate.of(BATCH)
+    assert gate.allowance(interactive, 8000) == 5.0  # nothing measured yet: the SLO
+    serve_one(gate, INTERACTIVE, held=22.0, prompt=8000, tokens=1000)  # 4,000 tok/s
+    assert gate.allowance(interactive, 8000) == pytest.approx(3.0)
+    for _ in range(slo.ERRORS_KEPT):
+        gate.erred(INTERACTIVE, 1.0)
+    assert gate.allowance(interactive, 8000) == pytest.approx(2.0)
+    assert gate.allowance(interactive, 40_000) == 0.0  # its prefill alone is over: no wait
+    assert gate.allowance(batch, 32768) == 600.0
+
+
+def test_a_queued_request_that_ran_late_raises_the_headroom_on_the_live_path() -> None:
+    """refuse_early hands back the prediction it admitted on; the lateness the gateway sees
+    at the first token goes into the class's measures (app._judge calls erred)."""
+    gate, clock = a_gate(1)
+    interactive = gate.of(INTERACTIVE)
+    serve_one(gate, INTERACTIVE, held=22.0, prompt=8000, tokens=1000)
+    aboard(gate, INTERACTIVE, [900])  # 100 tokens to go: 2 s
+    clock.now += 21.8
+    predicted = gate.refuse_early(interactive, 8000)
+    assert predicted == pytest.approx(2.0 + 2.0)
+    for _ in range(slo.ERRORS_KEPT):
+        gate.erred(INTERACTIVE, 3.2)  # every first token 3.2 s later than predicted
+    with pytest.raises(GatewayError) as refused:
+        gate.refuse_early(interactive, 8000)  # 4 + 2.5 (at most half the SLO) > 5
+    assert refused.value.retry_after == 2

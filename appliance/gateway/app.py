@@ -68,6 +68,7 @@ class Exchange:
     outcome: str = "ok"
     queue_ms: float = 0.0
     ttft: float | None = None
+    predicted: float | None = None  # seconds to its first token, as admission predicted
     usage: Usage = field(default_factory=Usage)
     meter: StreamMeter | None = None  # a stream's, kept here so a cut-short one still counts
     response_started: bool = False
@@ -322,13 +323,13 @@ class GatewayApp:
         ex.service_class = cls.name
         if parsed.endpoint.generates and not self.classes.try_acquire(cls, weight, tokens):
             # a 429 now, where a wait would miss the SLO
-            self.classes.refuse_early(cls, tokens, weight)
+            ex.predicted = self.classes.refuse_early(cls, tokens, weight)
             waited = time.perf_counter()
+            allowance = self.classes.allowance(cls, tokens)
             try:
-                await self.classes.acquire(cls, key.id, weight, tokens)
+                await self.classes.acquire(cls, key.id, weight, tokens, allowance)
             except (QueueFull, QueueTimeout) as exc:
-                raise self._busy(full=isinstance(exc, QueueFull),
-                                 waited=cls.wait_allowance(self.queue_wait)) from None
+                raise self._busy(full=isinstance(exc, QueueFull), waited=allowance) from None
             finally:
                 ex.queue_ms = (time.perf_counter() - waited) * 1000
                 parts.metrics.queue_wait.observe(ex.queue_ms / 1000)
@@ -490,6 +491,8 @@ class GatewayApp:
         generated = ex.parsed is not None and ex.parsed.endpoint.generates
         streamed = ex.meter is not None and ex.ttft is not None
         first = ex.started + ex.ttft if ex.ttft is not None else None
+        if ex.predicted is not None and streamed and ex.ttft is not None:
+            self.classes.erred(ex.service_class, ex.ttft - ex.predicted)
         if ex.outcome == "ok" and generated and ex.admitted is not None:
             # the prefill rate in estimated tokens, as the estimate divides them
             self.classes.served(ex.service_class, held_seconds=ended - ex.admitted,

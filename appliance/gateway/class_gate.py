@@ -7,8 +7,11 @@ queue as it stands.
 A request of class C takes a slot at once when one is free under the limit and under C's
 share and nobody of C's priority or above waits; otherwise, when C has a TTFT SLO and the
 estimate says it would miss it, it is refused at once (429 `slo_ttft_predicted_miss`, with
-Retry-After); otherwise it waits in the fair queue for at most C's allowance (its deadline,
-else its SLO, else gateway.queue_wait_seconds), then 429 `queue_timeout`.
+Retry-After); otherwise it waits in the fair queue for at most C's allowance (`allowance`: its
+deadline; else its SLO less its own predicted prefill and the class's headroom, since a slot
+granted later can no longer give it its first token in time and is better left to the next;
+else gateway.queue_wait_seconds), then 429 `queue_timeout`. Once such a request has its first
+token, how late it came against its prediction feeds the class's headroom (`erred`).
 
 The estimate reads the slots C could take: while C is held back by its own share, only its
 own class's requests free one for it; otherwise any admitted request does, of whatever
@@ -46,6 +49,7 @@ class Ticket:
     max_tokens: int | None
     progress: Callable[[], int | None]
     admitted: float = 0.0
+    priority: int = 0  # its class's (whose prefill goes first in the engine)
 
 
 class ClassGate:
@@ -72,7 +76,8 @@ class ClassGate:
     def board(self, cls: ServiceClass, weight: int, tokens: int, max_tokens: int | None,
               progress: Callable[[], int | None]) -> Ticket:
         """Note a request that has just taken its slot; `release` ends it."""
-        ticket = Ticket(cls.name, weight, tokens, max_tokens, progress, self.clock())
+        ticket = Ticket(cls.name, weight, tokens, max_tokens, progress, self.clock(),
+                        cls.priority)
         self.flying.add(ticket)
         return ticket
 
@@ -95,25 +100,47 @@ class ClassGate:
             if mine is None:
                 mine = measures[t.service_class] = self.measured(t.service_class)
             flights.append((slo.Flight(now - t.admitted, t.weight, t.prompt_tokens,
-                                       t.max_tokens, t.progress()), mine))
+                                       t.max_tokens, t.progress(),
+                                       t.priority >= cls.priority), mine))
         taken = own if by_share else admission.in_use
         return slo.outlook(admission.waiting_at_or_above(cls.priority), free, flights, tokens,
                            weight, fresh=taken - boarded,
                            fresh_seconds=self.measured(cls.name).service_seconds.value)
 
-    def refuse_early(self, cls: ServiceClass, tokens: int, weight: int = 1) -> None:
-        """Raise the early 429 when `cls` has a TTFT SLO this request is predicted to miss."""
+    def refuse_early(self, cls: ServiceClass, tokens: int, weight: int = 1) -> float | None:
+        """Raise the early 429 when `cls` has a TTFT SLO this request is predicted to miss;
+        else the predicted seconds to its first token (None: no SLO, or nothing measured)."""
         if cls.ttft_slo_seconds is None:
-            return
-        refusal = slo.admit(cls, self.outlook(cls, tokens, weight), self.measured(cls.name))
+            return None
+        measures = self.measured(cls.name)
+        outlook = self.outlook(cls, tokens, weight)
+        guess = slo.predict(outlook, measures)
+        refusal = slo.admit(cls, outlook, measures, guess)
         if refusal is not None:
             raise GatewayError(429, slo.PREDICTED_MISS, refusal.message,
                                retry_after=refusal.retry_after)
+        return None if guess is None else guess.seconds
 
-    async def acquire(self, cls: ServiceClass, key_id: int, weight: int, tokens: int) -> None:
-        """Wait in the queue for at most the class's allowance (QueueFull, QueueTimeout)."""
-        await self.admission.acquire(key_id, weight, cls.wait_allowance(self.queue_wait),
-                                     tokens, cls.name, cls.share, cls.priority)
+    def erred(self, cls_name: str, seconds_late: float) -> None:
+        """Feed `cls_name`'s headroom with how late a predicted first token came."""
+        self.measures[cls_name] = self.measures.get(cls_name, slo.Measures()).erred(
+            seconds_late)
+
+    def allowance(self, cls: ServiceClass, tokens: int) -> float:
+        """The longest this request may wait for a slot (the module docstring says why)."""
+        allowed = cls.wait_allowance(self.queue_wait)
+        slo_seconds = cls.ttft_slo_seconds
+        if cls.deadline_seconds is not None or slo_seconds is None:
+            return allowed
+        measures = self.measured(cls.name)
+        spare = slo_seconds - measures.prefill_seconds(tokens) - measures.headroom(slo_seconds)
+        return max(0.0, min(allowed, spare))
+
+    async def acquire(self, cls: ServiceClass, key_id: int, weight: int, tokens: int,
+                      allowance: float) -> None:
+        """Wait in the queue for at most `allowance` seconds (QueueFull, QueueTimeout)."""
+        await self.admission.acquire(key_id, weight, allowance, tokens, cls.name, cls.share,
+                                     cls.priority)
 
     def release(self, cls: ServiceClass, weight: int, ticket: Ticket | None = None) -> None:
         if ticket is not None:

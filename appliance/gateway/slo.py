@@ -12,7 +12,12 @@ rest on evidence.
     predicted TTFT = wait for a slot + prefill
     wait for a slot = 0 while a slot is free to it, else the time until the
                       (requests ahead + its weight - free slots)-th slot it can use frees
-    prefill         = estimated prompt tokens / its class's measured prefill rate
+    prefill         = its own: estimated prompt tokens / its class's measured prefill rate
+                      + the engine's prefill still ahead of it once it has its slot: what
+                      the admitted requests of its priority or above have left to prefill
+                      (`pending_prefill`), less what the engine does of it while this one
+                      waits (the engine prefills one request's chunk after another, and with
+                      priority scheduling a lower-priority prompt does not go first)
 
 Each in-flight request's residual (`residual`) is what is left of it: where its class's decode
 rate is measured, its remaining tokens over that rate (its tokens are its max_tokens, or its
@@ -27,8 +32,14 @@ turn. A batch request holding a slot this class could take counts with its own c
 residual; a batch request's long hold and 32K-token prompt never enter an interactive
 request's service time or prefill rate.
 
-A request whose predicted TTFT is over its class's SLO is refused at once (`Refusal`), with a
-Retry-After of the excess: by then the slots ahead of it have freed by that much.
+A request whose predicted TTFT, plus the class's headroom, is over its class's SLO is refused
+at once (`Refusal`), with a Retry-After of the excess: by then the slots ahead of it have freed
+by that much. The headroom is the estimate's own measured lateness (`Measures.headroom`): the
+90th percentile of (first token seen - first token predicted) over the class's last
+`ERRORS_KEPT` predicted requests, never below 0 nor above half the SLO, and 0 until
+`ERRORS_NEEDED` are seen. So an estimate that runs late (the gateway's own time to the
+engine, prefill the rate does not see) is corrected by what it was seen to miss by, not by a
+guessed margin.
 """
 
 from __future__ import annotations
@@ -55,6 +66,9 @@ ALPHA = 0.1  # weight of a new sample: about the last 20 requests count
 # Not zero: it is evidently longer than most, and a row of overdue requests must not read
 # as a row of free slots.
 OVERDUE_SHARE = 0.05
+ERRORS_KEPT = 50  # the predictions whose lateness makes the headroom: the last 50
+ERRORS_NEEDED = 10  # fewer seen: no headroom yet (a percentile of a handful is noise)
+HEADROOM_QUANTILE = 0.9
 
 
 @dataclass(frozen=True)
@@ -75,12 +89,15 @@ class Ewma:
 class Measures:
     """What the gateway has seen of one class's requests at the engine: the seconds one holds
     its slot, the (estimated) prompt tokens per second of the engine's time to a first token,
-    the tokens per second a stream decodes at, and the tokens an answer has."""
+    the tokens per second a stream decodes at, the tokens an answer has, and how late its
+    predicted requests' first tokens came against the prediction (seconds, the last
+    ERRORS_KEPT; negative: early)."""
 
     service_seconds: Ewma = Ewma()
     prefill_tps: Ewma = Ewma()
     decode_tps: Ewma = Ewma()
     completion_tokens: Ewma = Ewma()
+    errors: tuple[float, ...] = ()
 
     def served(self, *, held_seconds: float, prompt_tokens: int,
                engine_ttft_seconds: float | None, completion_tokens: int = 0,
@@ -97,6 +114,21 @@ class Measures:
             else self.completion_tokens
         return replace(self, service_seconds=self.service_seconds.add(held_seconds),
                        prefill_tps=prefill, decode_tps=decode, completion_tokens=answered)
+
+    def erred(self, seconds_late: float) -> Measures:
+        """With one more predicted request's lateness (first token seen - predicted)."""
+        if not math.isfinite(seconds_late):
+            return self
+        return replace(self, errors=(*self.errors[1 - ERRORS_KEPT:], seconds_late))
+
+    def headroom(self, slo_seconds: float) -> float:
+        """The seconds an admission keeps free under the SLO: the HEADROOM_QUANTILE of the
+        lateness seen, within [0, slo_seconds / 2]; 0 with fewer than ERRORS_NEEDED seen."""
+        if len(self.errors) < ERRORS_NEEDED:
+            return 0.0
+        ranked = sorted(self.errors)
+        late = ranked[min(len(ranked) - 1, int(HEADROOM_QUANTILE * len(ranked)))]
+        return min(max(0.0, late), slo_seconds / 2)
 
     def prefill_seconds(self, prompt_tokens: int) -> float:
         """The engine's time to prefill `prompt_tokens` (estimated) at the measured rate;
@@ -121,6 +153,7 @@ class Flight:
     prompt_tokens: int  # estimated (appliance.gateway.admission.estimate_prompt_tokens)
     max_tokens: int | None  # its cap (None: none sent)
     produced: int | None  # the tokens it has streamed (None: not a stream yet, unseen)
+    outranks: bool = True  # its priority is at least the new request's: prefilled before it
 
 
 def residual(flight: Flight, measures: Measures) -> float:
@@ -149,6 +182,14 @@ def residual(flight: Flight, measures: Measures) -> float:
     return service - age if service > age else floor
 
 
+def pending_prefill(flight: Flight, measures: Measures) -> float:
+    """The seconds of prefill `flight` still has before its first token, by its class's
+    measured rate: none once it streams."""
+    if flight.produced:
+        return 0.0
+    return max(0.0, measures.prefill_seconds(flight.prompt_tokens) - flight.age_seconds)
+
+
 @dataclass(frozen=True)
 class Outlook:
     """The slots as a new request finds them."""
@@ -158,6 +199,7 @@ class Outlook:
     residuals: tuple[float, ...]  # seconds until each taken slot it could use frees, one a slot
     prompt_tokens: int  # estimated (appliance.gateway.admission.estimate_prompt_tokens)
     weight: int = 1
+    backlog: float = 0.0  # seconds of prefill the engine does before this request's
 
 
 def outlook(ahead: int, free: int, flights: Sequence[tuple[Flight, Measures]],
@@ -165,10 +207,12 @@ def outlook(ahead: int, free: int, flights: Sequence[tuple[Flight, Measures]],
             fresh_seconds: float | None = None) -> Outlook:
     """The Outlook from the in-flight requests whose slots this class could take, each with
     its class's measures; `fresh` slots taken by requests not yet seen in flight (granted
-    this instant) hold `fresh_seconds` each (None: unknown)."""
+    this instant) hold `fresh_seconds` each (None: unknown). The backlog is the pending
+    prefill of those that outrank it."""
     left = [residual(f, m) for f, m in flights for _ in range(max(1, f.weight))]
     left += [math.inf if fresh_seconds is None else fresh_seconds] * max(0, fresh)
-    return Outlook(ahead, max(0, free), tuple(sorted(left)), prompt_tokens, weight)
+    backlog = sum(pending_prefill(f, m) * max(1, f.weight) for f, m in flights if f.outranks)
+    return Outlook(ahead, max(0, free), tuple(sorted(left)), prompt_tokens, weight, backlog)
 
 
 @dataclass(frozen=True)
@@ -193,10 +237,12 @@ def predict(outlook: Outlook, measures: Measures) -> Prediction | None:
     The slots are played forward: each turn the soonest-freeing slot goes to the next in
     line (the waiters ahead, then this request), and a waiter's slot frees again after this
     class's service time. Exact for requests that take their measured time; as good as the
-    residuals otherwise."""
-    prefill = measures.prefill_seconds(outlook.prompt_tokens)
+    residuals otherwise. The prefill is its own plus the backlog the engine has not done by
+    the time this request has its slot."""
+    own = measures.prefill_seconds(outlook.prompt_tokens)
     turns = outlook.ahead + outlook.weight - outlook.free
     if turns <= 0:
+        prefill = own + outlook.backlog
         return Prediction(prefill, 0.0, prefill)
     service = measures.service_seconds.value
     slots = list(outlook.residuals)  # sorted: already a heap
@@ -208,19 +254,21 @@ def predict(outlook: Outlook, measures: Measures) -> Prediction | None:
         if math.isinf(wait):
             return None
         heapq.heappush(slots, math.inf if service is None else wait + service)
+    prefill = own + max(0.0, outlook.backlog - wait)
     return Prediction(wait + prefill, wait, prefill)
 
 
-def admit(cls: ServiceClass, outlook: Outlook, measures: Measures) -> Refusal | None:
+def admit(cls: ServiceClass, outlook: Outlook, measures: Measures,
+          guess: Prediction | None) -> Refusal | None:
     """None to admit (or queue); a Refusal when the class has a TTFT SLO this request is
-    predicted to miss."""
+    predicted (`guess`, from `predict`) to miss, its headroom counted."""
     slo = cls.ttft_slo_seconds
-    if slo is None:
+    if slo is None or guess is None:
         return None
-    guess = predict(outlook, measures)
-    if guess is None or guess.seconds <= slo:
+    headroom = measures.headroom(slo)
+    if guess.seconds + headroom <= slo:
         return None
-    retry = max(1, math.ceil(guess.seconds - slo))
+    retry = max(1, math.ceil(guess.seconds + headroom - slo))
     taken = len(outlook.residuals)
     if outlook.free:
         busy = f"{outlook.ahead} requests wait ahead of it for the {taken + outlook.free} " \
@@ -229,12 +277,14 @@ def admit(cls: ServiceClass, outlook: Outlook, measures: Measures) -> Refusal | 
         busy = f"all {taken} slots it may use are taken"
         if outlook.ahead:
             busy += f" and {outlook.ahead} requests wait ahead of it"
+    late = f", and one in ten such estimates ran {headroom:.1f} s late or more" \
+        if headroom >= 0.05 else ""
     return Refusal(
         f"the box is too busy to give this request its first token within {slo:g} s, the "
         f"promise of its key's class ({cls.name}): {busy}, so it would wait about "
         f"{guess.wait_seconds:.0f} s for a slot plus {guess.prefill_seconds:.1f} s of prefill "
-        f"(about {guess.seconds:.0f} s in all); retry in {retry} s, or send work that can "
-        f"wait with a batch key", retry)
+        f"(about {guess.seconds:.0f} s in all{late}); retry in {retry} s, or send work that "
+        f"can wait with a batch key", retry)
 
 
 def judge(cls: ServiceClass, *, ttft_seconds: float | None, completion_tokens: int,
