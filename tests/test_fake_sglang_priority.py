@@ -1,6 +1,7 @@
 """The emulator's priority scheduling (issue 24), as SGLang 0.5.23's: the rules (pure), the
-performance model's scheduler under them (pure, model time), and one emulator over loopback
-HTTP that orders its queue by priority and refuses at --max-queued-requests."""
+performance model's scheduler under them (pure, model time), and emulators over loopback
+HTTP that order their queue by priority and refuse at --max-queued-requests, one of them
+honouring `x-override-priority` (SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,11 @@ from appliance.testing.fake_sglang.priority import (
     DISABLED,
     OUT_OF_RANGE,
     QUEUE_FULL,
+    BadHeader,
     PriorityPolicy,
     Refused,
+    header_overrides_on,
+    header_priority,
 )
 from appliance.testing.fake_sglang.scheduler import Scheduler, Seq
 from tests.test_fake_sglang import Emulator, small_model
@@ -53,6 +57,31 @@ def test_assign_defaults_ranges_and_the_disabled_server() -> None:
     with pytest.raises(Refused) as refused:
         ON.assign(1 << 63)
     assert (refused.value.status, refused.value.message) == (400, OUT_OF_RANGE)
+
+
+def test_the_header_overrides_switch_reads_as_sglangs_env_bool() -> None:
+    switch = "SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES"
+    for on in ("1", "true", "True", "YES", "y"):
+        assert header_overrides_on({switch: on}), on
+    for off in ("0", "false", "no", "", "2", "on"):  # "on" is no EnvBool value: the default
+        assert not header_overrides_on({switch: off}), off
+    assert not header_overrides_on({})
+
+
+def test_the_priority_header_is_read_with_ints_rules_over_the_body() -> None:
+    def headers(value: bytes) -> list[tuple[bytes, bytes]]:
+        return [(b"content-type", b"application/json"), (b"x-override-priority", value),
+                (b"x-override-priority", b"99")]  # the first one counts (Starlette's get)
+
+    assert header_priority([], 7) == 7 and header_priority([], None) is None
+    assert header_priority(headers(b"-3"), 7) == -3
+    assert header_priority(headers(b" +1_0 "), None) == 10  # what int() accepts
+    assert header_priority(headers(str(1 << 63).encode()), None) == 1 << 63  # range: later
+    with pytest.raises(BadHeader) as bad:
+        header_priority(headers(b"high"), 7)
+    assert (bad.value.status, bad.value.message) == (
+        400, "invalid x-override-priority header 'high': invalid literal for int() with "
+        "base 10: 'high'")
 
 
 def seq(key: str, priority: int, at: float = 0.0, **kw: int) -> Seq:
@@ -314,3 +343,129 @@ def test_the_model_preempts_for_a_higher_priority_as_the_real_engine_does(
     assert got["urgent"].status_code == 200 and got["batch"].status_code == 200
     assert finished.index("urgent") < finished.index("batch")
     assert got["batch"].json()["usage"]["completion_tokens"] == long  # preempted, resumed
+
+
+# --- x-override-priority over HTTP ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def overriding(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+    """The first emulator's flags, run with SGLang's header overrides on."""
+    model_dir = small_model(tmp_path_factory.mktemp("model"), shard_bytes=1 << 16)
+    emu = Emulator(tmp_path_factory.mktemp("overriding"),
+                   [str(model_dir), "--max-running-requests", "1", "--enable-priority-scheduling",
+                    "--default-priority-value", "10", "--max-queued-requests", "2"],
+                   FAKE_SGLANG_LOAD_SECONDS="1", FAKE_SGLANG_FAULT="slow_tokens=0.05",
+                   SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES="1")
+    try:
+        emu.wait_ready()
+        yield emu
+        emu.stop_cleanly()
+    finally:
+        emu.kill()
+
+
+MESSAGES = {"model": "k3", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+LONG_CHAT = {"model": "k3", "messages": [{"role": "user", "content": "hi"}],
+             "max_tokens": 100, "ignore_eos": True}
+
+
+async def ask_with(client: httpx.AsyncClient, ended: list[str], name: str, path: str,
+                   body: dict[str, object], priority: str | None = None) -> httpx.Response:
+    """`ask`, with `x-override-priority: priority` when given."""
+    headers = {} if priority is None else {"x-override-priority": priority}
+    reply = await client.post(path, json=body, headers=headers)
+    ended.append(name)
+    return reply
+
+
+def test_the_header_sets_a_messages_requests_priority_and_overrides_the_body(
+        overriding: Emulator) -> None:
+    order: list[str] = []
+
+    async def scenario() -> dict[str, httpx.Response]:
+        async with httpx.AsyncClient(base_url=overriding.url, timeout=60) as client:
+            tasks = {"first": asyncio.ensure_future(
+                ask_with(client, order, "first", "/v1/chat/completions", LONG_CHAT))}
+            await until(client, 1, 0)
+            tasks["low"] = asyncio.ensure_future(
+                ask_with(client, order, "low", "/v1/messages", MESSAGES, "0"))
+            await until(client, 1, 1)
+            tasks["default"] = asyncio.ensure_future(
+                ask_with(client, order, "default", "/v1/messages", MESSAGES))
+            await until(client, 1, 2)
+            tasks["urgent"] = asyncio.ensure_future(ask_with(
+                client, order, "urgent", "/generate",
+                {"text": "c d", "sampling_params": {"max_new_tokens": 4}}, "20"))
+            low = await tasks.pop("low")  # the queue's lowest, dropped for the newcomer
+            await until(client, 1, 2)
+            # the header's 1, not the body's 30: too low to drop the default's 10
+            full = await client.post("/v1/chat/completions", json={
+                **LONG_CHAT, "max_tokens": 2, "priority": 30},
+                headers={"x-override-priority": "1"})
+            done = dict(zip(tasks, await asyncio.gather(*tasks.values()), strict=True))
+            return {**done, "low": low, "full": full}
+
+    got = asyncio.run(scenario())
+    # dropped, not the later `default`: header 0 below the default priority 10
+    assert got["low"].status_code == 503, got["low"].text
+    assert got["low"].json() == {"type": "error", "error": {
+        "type": "overloaded_error", "message": "Internal server error"}}
+    assert got["full"].status_code == 503 and got["full"].json()["message"] == QUEUE_FULL
+    assert all(got[name].status_code == 200 for name in ("first", "default", "urgent"))
+    assert got["default"].json()["type"] == "message"
+    assert order.index("first") < order.index("urgent") < order.index("default")
+
+
+def test_a_bad_priority_header_is_sglangs_error_on_each_path(overriding: Emulator) -> None:
+    bad = {"x-override-priority": "high"}
+    words = ("invalid x-override-priority header 'high': invalid literal for int() with "
+             "base 10: 'high'")
+    chat = {"model": "k3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    native = {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
+    with httpx.Client(base_url=overriding.url, timeout=60) as client:
+        for path, body in (("/v1/chat/completions", chat), ("/generate", native)):
+            reply = client.post(path, json=body, headers=bad)
+            assert (reply.status_code, reply.json()) == (400, {
+                "object": "error", "message": words, "type": "400", "param": None,
+                "code": 400}), path
+        ignored = client.post("/v1/completions", headers=bad,
+                              json={"model": "k3", "prompt": "hi", "max_tokens": 1})
+        assert ignored.status_code == 200, ignored.text  # 0.5.23's completions never read it
+        messages = client.post("/v1/messages", json={**MESSAGES, "max_tokens": 1}, headers=bad)
+        assert (messages.status_code, messages.json()) == (400, {"type": "error", "error": {
+            "type": "invalid_request_error", "message": words}})
+        streamed = client.post("/v1/messages", headers=bad,
+                               json={**MESSAGES, "max_tokens": 1, "stream": True})
+        assert (streamed.status_code, streamed.json()) == (500, {"type": "error", "error": {
+            "type": "api_error", "message": "Internal server error"}})
+        huge = {"x-override-priority": str(1 << 63)}  # an int, out of SGLang's range
+        for path, body, shape in (
+                ("/v1/chat/completions", chat, {"object": "error", "message": OUT_OF_RANGE,
+                                                "type": "BadRequestError", "param": None,
+                                                "code": 400}),
+                ("/generate", native, {"error": {"message": OUT_OF_RANGE}}),
+                ("/v1/messages", MESSAGES, {"type": "error", "error": {
+                    "type": "BadRequestError", "message": OUT_OF_RANGE}})):
+            reply = client.post(path, json=body, headers=huge)
+            assert (reply.status_code, reply.json()) == (400, shape), path
+
+
+def test_without_the_switch_the_header_is_ignored_and_messages_take_the_default(
+        emulator: Emulator) -> None:
+    order: list[str] = []
+
+    async def scenario() -> dict[str, httpx.Response]:
+        async with httpx.AsyncClient(base_url=emulator.url, timeout=60) as client:
+            tasks = {"first": asyncio.ensure_future(
+                ask_with(client, order, "first", "/v1/chat/completions", LONG_CHAT))}
+            await until(client, 1, 0)
+            tasks["five"] = asyncio.ensure_future(ask_with(
+                client, order, "five", "/v1/chat/completions",
+                {**LONG_CHAT, "max_tokens": 4, "priority": 5}, "99"))
+            await until(client, 1, 1)
+            tasks["messages"] = asyncio.ensure_future(
+                ask_with(client, order, "messages", "/v1/messages", MESSAGES, "high"))
+            return dict(zip(tasks, await asyncio.gather(*tasks.values()), strict=True))
+
+    got = asyncio.run(scenario())
+    assert all(r.status_code == 200 for r in got.values()), [r.text for r in got.values()]
+    assert order == ["first", "messages", "five"]  # the default, 10, above the body's 5

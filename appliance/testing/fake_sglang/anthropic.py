@@ -42,6 +42,25 @@ def error_body(kind: str, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
+# The `error.type` SGLang gives an upstream status (serving.py ERROR_TYPE_MAP).
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 404: "not_found_error", 408: "request_timeout_error",
+               429: "rate_limit_error", 500: "api_error", 502: "api_error",
+               503: "overloaded_error", 504: "api_error"}
+
+
+def scrubbed(message: str, status: int) -> str:
+    """SGLang's `_scrub_error_message`: a 5xx says only "Internal server error"; a 4xx keeps
+    its words, less traceback lines, cut at 500 characters."""
+    if status >= 500:
+        return "Internal server error"
+    kept = "\n".join(line for line in message.splitlines()
+                     if not line.startswith("Traceback") and 'File "/' not in line).strip()
+    if len(kept) > 500:
+        kept = kept[:500] + "\u2026"
+    return kept or "Request failed"
+
+
 def validate(body: dict[str, Any], *, count_only: bool = False) -> None:
     """The fields AnthropicMessagesRequest (or the count_tokens request) requires."""
     problems = []

@@ -17,12 +17,23 @@ then per block `content_block_start` (`{"type": "thinking", "thinking": ""}`,
 `content_block_delta` (`thinking_delta`, `text_delta`, `input_json_delta` with
 `partial_json`), `content_block_stop`; then `message_delta` `{"delta": {"stop_reason"},
 "usage": {"output_tokens"}}` and `message_stop`.
+
+Priority: the body has no field for it; the request takes `x-override-priority` when the
+engine runs with the header overrides on (priority.py), else `--default-priority-value`.
+Errors, as `AnthropicServing` answers them: a header `int()` refuses is a 400
+`invalid_request_error` naming it (a stream's is a 500 `api_error`: its conversion's
+HTTPException falls into the `except Exception` branch); a priority out of range is a 400
+of type `BadRequestError` (the chat handler's type, kept for a 4xx), in-band as an `error`
+event when streaming; an engine abort (a full queue, a higher priority, a timeout) is its
+status, `overloaded_error` for 503, "Internal server error" (a 5xx says no more), and
+in-band when streaming, with the abort's words.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import uuid
 from typing import Any
 
@@ -42,8 +53,14 @@ from appliance.testing.fake_sglang.asgi import (
     until_disconnect,
 )
 from appliance.testing.fake_sglang.chat import ChatPlan, plan_chat
-from appliance.testing.fake_sglang.core import Core, Request
+from appliance.testing.fake_sglang.core import Core, EngineAbort, Request
 from appliance.testing.fake_sglang.memory import Capacity
+from appliance.testing.fake_sglang.priority import (
+    BadHeader,
+    Refused,
+    header_overrides_on,
+    header_priority,
+)
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -137,6 +154,13 @@ class MessageEvents:
             frames.append(self._delta({"type": "input_json_delta", "partial_json": piece.text}))
         return frames
 
+    def failed(self, kind: str, message: str) -> list[str]:
+        """SGLang's `_flush_on_error`: the message started, any open block closed, then an
+        `error` event and `message_stop`."""
+        return [*self._start(), *self._close(),
+                frame({"type": "error", "error": {"type": kind, "message": message}}),
+                frame({"type": "message_stop"})]
+
     def end(self) -> list[str]:
         req = self.plan.req
         stop = STOP_REASONS.get(self.plan.script.finish_reason(req), "end_turn")
@@ -150,6 +174,7 @@ class AnthropicServing:
     def __init__(self, args: ServeArgs, cap: Capacity, core: Core) -> None:
         self.args, self.cap, self.core = args, cap, core
         self.cache_report = args.enable_cache_report
+        self.header_overrides = header_overrides_on(os.environ)
 
     async def _request(self, receive: Receive, send: Send,
                        count_only: bool = False) -> dict[str, Any] | None:
@@ -183,10 +208,60 @@ class AnthropicServing:
         except oai.BadRequest as exc:
             await respond(send, 400, anthropic.error_body("invalid_request_error", exc.message))
             return
+        if not await self.prioritized(plan, scope, send):
+            return
         if plan.params.stream:
             await until_disconnect(self.stream(plan, send), receive)
-        elif await until_disconnect(self.drain(plan.req), receive):
-            await respond(send, 200, message(plan, self.cache_report))
+            return
+        try:
+            if not await until_disconnect(self.drain(plan.req), receive):
+                return
+        except EngineAbort as exc:
+            await respond(send, exc.status, anthropic.error_body(
+                anthropic.ERROR_TYPES.get(exc.status, "api_error"),
+                anthropic.scrubbed(exc.message, exc.status)))
+            return
+        await respond(send, 200, message(plan, self.cache_report))
+
+    async def prioritized(self, plan: ChatPlan, scope: Scope, send: Send) -> bool:
+        """Set the request's priority: the header's, with the overrides on, else the
+        engine's default (priority.py). False once its error has been sent (the module
+        docstring says which)."""
+        stream = plan.params.stream
+        try:
+            requested = (header_priority(scope.get("headers", []), None)
+                         if self.header_overrides else None)
+            plan.req.priority = self.core.priority.assign(requested)
+        except BadHeader as exc:
+            if stream:
+                await respond(send, 500, anthropic.error_body("api_error",
+                                                              "Internal server error"))
+            else:
+                await respond(send, 400, anthropic.error_body(
+                    "invalid_request_error", anthropic.scrubbed(exc.message, 400)))
+            return False
+        except Refused as exc:
+            if exc.status != 400:  # an abort, before the request ran
+                kind = anthropic.ERROR_TYPES.get(exc.status, "api_error")
+                if stream:
+                    await self.failed_stream(plan, send, kind, exc.message)
+                else:
+                    await respond(send, exc.status, anthropic.error_body(
+                        kind, anthropic.scrubbed(exc.message, exc.status)))
+            elif stream:
+                await self.failed_stream(plan, send, "invalid_request_error", exc.message)
+            else:
+                await respond(send, 400, anthropic.error_body(
+                    "BadRequestError", anthropic.scrubbed(exc.message, 400)))
+            return False
+        return True
+
+    async def failed_stream(self, plan: ChatPlan, send: Send, kind: str, message: str) -> None:
+        await start_stream(send)
+        *frames, last = MessageEvents(plan, self.cache_report).failed(kind, message)
+        for text in frames:
+            await emit(send, text)
+        await end_stream(send, last)
 
     async def drain(self, req: Request) -> None:
         async with contextlib.aclosing(self.core.generate(req)) as tokens:
@@ -196,11 +271,16 @@ class AnthropicServing:
     async def stream(self, plan: ChatPlan, send: Send) -> None:
         events, req = MessageEvents(plan, self.cache_report), plan.req
         await start_stream(send)
-        async with contextlib.aclosing(self.core.generate(req)) as tokens:
-            async for _ in tokens:
-                for text in events.piece(plan.script.piece(req.seed, req.generated - 1)):
-                    await emit(send, text)
-        *frames, last = events.end()
+        try:
+            async with contextlib.aclosing(self.core.generate(req)) as tokens:
+                async for _ in tokens:
+                    for text in events.piece(plan.script.piece(req.seed, req.generated - 1)):
+                        await emit(send, text)
+        except EngineAbort as exc:  # the chat stream's error envelope, forwarded in-band
+            *frames, last = events.failed(anthropic.ERROR_TYPES.get(exc.status, "api_error"),
+                                          exc.message)
+        else:
+            *frames, last = events.end()
         for text in frames:
             await emit(send, text)
         await end_stream(send, last)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from http import HTTPStatus
 from typing import Any
@@ -34,7 +35,13 @@ from appliance.testing.fake_sglang.chat import ChatChunks, ChatPlan, chat_respon
 from appliance.testing.fake_sglang.core import Core, EngineAbort, Request
 from appliance.testing.fake_sglang.disagg import bootstrap_of
 from appliance.testing.fake_sglang.memory import Capacity
-from appliance.testing.fake_sglang.priority import Refused, requested_priority
+from appliance.testing.fake_sglang.priority import (
+    BadHeader,
+    Refused,
+    header_overrides_on,
+    header_priority,
+    requested_priority,
+)
 
 DONE = "data: [DONE]\n\n"
 
@@ -47,6 +54,7 @@ class OpenAIServing:
     def __init__(self, args: ServeArgs, cap: Capacity, core: Core) -> None:
         self.args, self.cap, self.core = args, cap, core
         self.cache_report = args.enable_cache_report
+        self.header_overrides = header_overrides_on(os.environ)
 
     async def drain_tokens(self, req: Request) -> None:
         async with contextlib.aclosing(self.core.generate(req)) as tokens:
@@ -62,19 +70,43 @@ class OpenAIServing:
             await respond(send, exc.status, abort_body(exc))
             return False
 
-    async def prioritized(self, req: Request, body: dict[str, Any], send: Send) -> bool:
-        """Set the request's `priority` (priority.py); False once its error has been sent (a
-        priority that is no integer, out of range, or refused while disabled)."""
+    async def prioritized(self, req: Request, body: dict[str, Any], send: Send, *,
+                          scope: Scope | None = None, native: bool = False,
+                          stream: bool = False) -> bool:
+        """Set the request's `priority` (priority.py): the body's, or the `x-override-priority`
+        header's where the path reads it (`scope` given: /v1/chat/completions and /generate)
+        and the overrides are on. False once its error has been sent: a body priority that
+        is no integer (FastAPI's 400), a header `int()` refuses (the HTTPException's 400,
+        type "400"), out of range (the tokenizer manager's ValueError: `BadRequestError`, or
+        /generate's bare `{"error": {"message"}}`, in-band when it streams), or refused while
+        disabled (503)."""
         try:
-            req.priority = self.core.priority.assign(requested_priority(body))
+            requested = requested_priority(body)
         except ValueError:
             await respond(send, 400, oai.error_body(validation_message({
                 "type": "int_type", "loc": ("body", "priority"),
                 "msg": "Input should be a valid integer"}), kind=oai.VALIDATION))
             return False
+        try:
+            if scope is not None and self.header_overrides:
+                requested = header_priority(scope.get("headers", []), requested)
+            req.priority = self.core.priority.assign(requested)
+        except BadHeader as exc:
+            await respond(send, 400, oai.error_body(exc.message, 400, "400"))
+            return False
         except Refused as exc:
-            await respond(send, exc.status, oai.error_body(
-                exc.message, exc.status, HTTPStatus(exc.status).name))
+            if exc.status != 400:
+                await respond(send, exc.status, oai.error_body(
+                    exc.message, exc.status, HTTPStatus(exc.status).name))
+            elif native and stream:  # raised inside the stream, after its 200 (http_server.py)
+                await start_stream(send)
+                await end_stream(send, oai.sse({"error": {
+                    "message": exc.message, "type": "invalid_request_error", "code": 400,
+                    "retryable": False}}) + DONE)
+            elif native:
+                await respond(send, 400, {"error": {"message": exc.message}})
+            else:
+                await respond(send, 400, oai.error_body(exc.message))
             return False
         return True
 
@@ -100,7 +132,7 @@ class OpenAIServing:
             await respond(send, 400, oai.error_body(exc.message, kind=exc.kind, param=exc.param))
             return
         plan.req.bootstrap = bootstrap_of(body)
-        if not await self.prioritized(plan.req, body, send):
+        if not await self.prioritized(plan.req, body, send, scope=scope):
             return
         if plan.params.stream:
             await until_disconnect(self.chat_stream(plan, send), receive)
@@ -194,7 +226,8 @@ class OpenAIServing:
             return
         req = self.core.plan(prompt, params.max_tokens, params.min_tokens, params.ignore_eos)
         req.bootstrap = bootstrap_of(body)
-        if not await self.prioritized(req, body, send):
+        if not await self.prioritized(req, body, send, scope=scope, native=True,
+                                      stream=params.stream):
             return
         if not params.stream:
             if await self.finished(req, receive, send):

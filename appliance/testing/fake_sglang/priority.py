@@ -24,12 +24,21 @@ tokenizer_manager.py):
   request queue is full."; with priority scheduling the queue's lowest-ranked request (the
   newest among equals) is aborted instead when the newcomer ranks strictly above it, with 503
   "The request is aborted by a higher priority request." (`_abort_on_queued_limit`).
+- the header `x-override-priority: N` sets a request's priority, over the body's, only when
+  the engine process runs with SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES true (srt/environ.py
+  `EnvBool`: true/1/yes/y, any case; anything else is off). 0.5.23 reads it
+  (`apply_header_overrides`, entrypoints/request_headers.py) on /generate
+  (`serve_generate_request`) and wherever `OpenAIServingChat._convert_to_internal_request`
+  runs: /v1/chat/completions and the Anthropic /v1/messages; never on /v1/completions. Its
+  value is cast with Python's `int()`; one that fails is an HTTPException 400
+  "invalid x-override-priority header '<value>': <int()'s words>". A /v1/messages body has no
+  priority field, so without the header such a request takes `--default-priority-value`.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -41,6 +50,8 @@ DISABLED = ("Using priority is disabled for this server. Please send a new reque
             "priority.")
 OUT_OF_RANGE = ("priority must be a signed 64-bit integer between -9223372036854775808 and "
                 "9223372036854775807")
+OVERRIDES_ENV = "SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES"
+PRIORITY_HEADER = "x-override-priority"
 
 
 class Ranked(Protocol):
@@ -149,11 +160,41 @@ class PriorityPolicy:
 
 
 class Refused(Exception):
-    """A request the engine answers with an error before queueing it."""
+    """A request the engine answers with an error before queueing it: a priority out of
+    range (SGLang's ValueError, 400) or refused while disabled (an abort, 503)."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.message, self.status = message, status
+
+
+class BadHeader(Refused):
+    """An `x-override-priority` that `int()` refuses: SGLang's HTTPException 400, which each
+    endpoint answers in its own shape (the serving modules)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 400)
+
+
+def header_overrides_on(environ: Mapping[str, str]) -> bool:
+    """Whether the engine honours the request header overrides (`OVERRIDES_ENV`, read as
+    SGLang's `EnvBool` reads it; an unreadable value is its default, off)."""
+    return environ.get(OVERRIDES_ENV, "").lower() in ("true", "1", "yes", "y")
+
+
+def header_priority(headers: Iterable[tuple[bytes, bytes]], requested: int | None) -> int | None:
+    """The priority once `apply_header_overrides` has run: the first `x-override-priority`
+    header's value as `int()` reads it (whitespace, a sign and `_` between digits allowed),
+    else `requested` (the body's). Raises `BadHeader` naming the value, as SGLang does."""
+    wanted = PRIORITY_HEADER.encode()
+    raw = next((value for name, value in headers if name.lower() == wanted), None)
+    if raw is None:
+        return requested
+    value = raw.decode("latin-1")  # how Starlette decodes a header value
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise BadHeader(f"invalid {PRIORITY_HEADER} header {value!r}: {exc}") from None
 
 
 def requested_priority(body: dict[str, Any]) -> int | None:
