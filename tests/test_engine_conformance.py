@@ -20,7 +20,9 @@ must differ (a GPU-only behaviour) the difference is listed in docs/emulator.md 
 
 One module-scoped engine of each kind serves every check (a real start costs 35-60 s on the
 2-core box); the drain check runs last and consumes it. The no-drain check needs an engine
-started with `--skip-server-warmup` of its own. Every wait is a bounded poll on a state.
+started with `--skip-server-warmup` of its own, and the `x-override-priority` checks one
+launched as a box with service classes is (the classes' flags and environment, issue 24).
+Every wait is a bounded poll on a state.
 """
 
 from __future__ import annotations
@@ -394,6 +396,112 @@ def test_a_priority_field_is_served_with_priority_scheduling_off(serving: Subjec
                    http.post("/generate", json={"text": "Hi", "priority": -3,
                                                 "sampling_params": {"max_new_tokens": 2}})]
     assert [r.status_code for r in replies] == [200, 200, 200], [r.text for r in replies]
+
+
+# -- x-override-priority (issue 24) -----------------------------------------------------------
+# The gateway puts a /v1/messages request's class priority in this header; 0.5.23 reads it
+# only with SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES on, which the classes add to the spec.
+BAD_PRIORITY = {"x-override-priority": "high"}
+BAD_PRIORITY_WORDS = ("invalid x-override-priority header 'high': invalid literal for int() "
+                      "with base 10: 'high'")
+OUT_OF_RANGE_WORDS = ("priority must be a signed 64-bit integer between -9223372036854775808 "
+                      "and 9223372036854775807")
+
+
+def classes_launch() -> tuple[tuple[str, ...], dict[str, str]]:
+    """What the product's spec adds for a box with the default classes (interactive 10,
+    batch 0): the classes layer's flags, and the environment a box without classes lacks."""
+    import dataclasses
+
+    from appliance.config import Config, GatewayConfig
+    from appliance.engine.args import Origin, build_launch_spec, inputs_from_config
+    from appliance.gateway.classes import parse_classes
+
+    def spec(config: Config) -> Any:
+        return build_launch_spec(("sglang",), dataclasses.replace(
+            inputs_from_config(config), engine_auth=None))
+
+    classes = parse_classes({"interactive": {"ttft_slo_seconds": 5}})
+    with_classes, plain = spec(Config(gateway=GatewayConfig(classes=classes))), spec(Config())
+    flags = tuple(token for arg in with_classes.args if arg.origin is Origin.CLASSES
+                  for token in arg.tokens())
+    env = dict(set(with_classes.env) - set(plain.env))
+    return flags, env
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def overriding(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Subject]:
+    """An engine of each kind launched with the classes' flags and environment."""
+    flags, env = classes_launch()
+    assert env == {"SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES": "1"}, env
+    root = tmp_path_factory.mktemp(f"{request.param}-overriding")
+    with STARTERS[request.param](request, root, *flags, **env) as subject:
+        yield subject
+
+
+def messages(model: str, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "max_tokens": 2, **extra,
+            "messages": [{"role": "user", "content": "Hello, how are you today?"}]}
+
+
+def native(**extra: Any) -> dict[str, Any]:
+    return {"text": "Hi", "sampling_params": {"max_new_tokens": 2}, **extra}
+
+
+def test_a_priority_header_is_ignored_without_the_header_overrides(serving: Subject) -> None:
+    with serving.http() as http:
+        for path, body in (("/v1/chat/completions", chat(serving.model, max_tokens=2)),
+                           ("/generate", native()), ("/v1/messages", messages(serving.model))):
+            reply = http.post(path, json=body, headers=BAD_PRIORITY)
+            assert reply.status_code == 200, (path, reply.text)
+
+
+def test_with_header_overrides_a_bad_priority_header_is_sglangs_400(
+        overriding: Subject) -> None:
+    model = overriding.model
+    with overriding.http() as http:
+        for path, body in (("/v1/chat/completions", chat(model, max_tokens=2)),
+                           ("/generate", native())):
+            reply = http.post(path, json=body, headers=BAD_PRIORITY)
+            assert (reply.status_code, reply.json()) == (400, {
+                "object": "error", "message": BAD_PRIORITY_WORDS, "type": "400",
+                "param": None, "code": 400}), path
+        anthropic = http.post("/v1/messages", json=messages(model), headers=BAD_PRIORITY)
+        assert (anthropic.status_code, anthropic.json()) == (400, {"type": "error", "error": {
+            "type": "invalid_request_error", "message": BAD_PRIORITY_WORDS}})
+        # the streaming path catches the HTTPException as any error: a 500 that says no more
+        streamed = http.post("/v1/messages", json=messages(model, stream=True),
+                             headers=BAD_PRIORITY)
+        assert (streamed.status_code, streamed.json()) == (500, {"type": "error", "error": {
+            "type": "api_error", "message": "Internal server error"}})
+        # /v1/completions never reads the header overrides (only /generate and the chat
+        # handler do): the gateway's priority rides in its body there
+        completion = http.post("/v1/completions", headers=BAD_PRIORITY,
+                               json={"model": model, "prompt": "Hi", "max_tokens": 2})
+        assert completion.status_code == 200, completion.text
+
+
+def test_with_header_overrides_the_header_sets_the_requests_priority(
+        overriding: Subject) -> None:
+    model = overriding.model
+    with overriding.http() as http:
+        for path, body in (("/v1/chat/completions", chat(model, max_tokens=2)),
+                           ("/generate", native()), ("/v1/messages", messages(model))):
+            for value in ("0", "10", "-5"):
+                reply = http.post(path, json=body, headers={"x-override-priority": value})
+                assert reply.status_code == 200, (path, value, reply.text)
+        # the header reached the priority: the tokenizer manager's range check refuses it
+        huge = {"x-override-priority": str(1 << 63)}
+        for path, body, shape in (
+                ("/v1/chat/completions", chat(model, max_tokens=2), {
+                    "object": "error", "message": OUT_OF_RANGE_WORDS,
+                    "type": "BadRequestError", "param": None, "code": 400}),
+                ("/generate", native(), {"error": {"message": OUT_OF_RANGE_WORDS}}),
+                ("/v1/messages", messages(model), {"type": "error", "error": {
+                    "type": "BadRequestError", "message": OUT_OF_RANGE_WORDS}})):
+            reply = http.post(path, json=body, headers=huge)
+            assert (reply.status_code, reply.json()) == (400, shape), path
 
 
 # -- errors ----------------------------------------------------------------------------------
