@@ -15,9 +15,10 @@ managers/scheduler.py and schedule_policy.py):
                                  schedule policy stays fcfs, which validation_hook.py requires
                                  (fcfs or lof)
   --default-priority-value P     the interactive class's priority, for a request that carries
-                                 none (the Anthropic /v1/messages path, the monitor's probes);
-                                 without it SGLang ranks such a request below every other
-                                 (-2**63) and labels it 'None' in /metrics
+                                 none (the monitor's probes; a /v1/messages request carries
+                                 its class's in a header, `engine_env` below); without it
+                                 SGLang ranks such a request below every other (-2**63) and
+                                 labels it 'None' in /metrics
   --priority-scheduling-preemption-threshold T
                                  when a class is preemptible: a waiting request preempts
                                  (retracts) a running one when the running batch is full and
@@ -36,6 +37,10 @@ managers/scheduler.py and schedule_policy.py):
                                  is full.") only what the gateway would have refused itself;
                                  with priority scheduling a full queue drops its lowest-priority
                                  request for a higher one (`_abort_on_queued_limit`)
+With the flags, the launch spec's environment carries SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1
+(`appliance.gateway.priority.engine_env`, added by `appliance.engine.args.inputs_from_config`):
+SGLang's Anthropic body has no priority field, and the gateway's `x-override-priority` header
+is read only with it.
 """
 
 from __future__ import annotations

@@ -100,5 +100,7 @@ def priority_headers(path: str, priority: int | None) -> dict[str, str]:
 def engine_env(configured: Mapping[str, ServiceClass]) -> tuple[tuple[str, str], ...]:
     """The engine's environment for the classes' priorities to reach every path: SGLang's
     header overrides on (`HEADER_OVERRIDES_ENV`) exactly when the gateway adds priorities
-    (`priority_on`), so a box without classes keeps its spec."""
+    (`priority_on`), so a box without classes keeps its spec. The launch spec takes it
+    (`appliance.engine.args.inputs_from_config`, after the cell role's variables, before the
+    operator's `engine.extra_env`)."""
     return ((HEADER_OVERRIDES_ENV, "1"),) if priority_on(configured) else ()
