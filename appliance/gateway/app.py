@@ -7,6 +7,9 @@ and the hot path is a byte pump. One generation request goes:
     validate → engine state → per-key limits (concurrency, requests/minute, tokens/day)
     → admission (fair queue) → forward → stream back, metering → record usage, metrics, history
 
+The forward and the stream back are `appliance.gateway.forward`'s (the byte pump); the rest is
+here.
+
 Every refusal is a `GatewayError` rendered in the client's shape (OpenAI's, or Anthropic's on
 `/v1/messages`), recorded and counted; nothing refused reaches the engine. While a request
 waits or streams, a watcher listens for the client going away: the request then leaves the
@@ -22,8 +25,7 @@ import datetime as dt
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -32,50 +34,20 @@ from appliance.gateway import validate
 from appliance.gateway.admission import QueueFull, QueueTimeout, estimate_prompt_tokens
 from appliance.gateway.class_gate import ClassGate
 from appliance.gateway.classes import effective
-from appliance.gateway.errors import GatewayError, stream_cut
-from appliance.gateway.h1 import Response, UpstreamFailed
+from appliance.gateway.errors import GatewayError
+from appliance.gateway.forward import Exchange, Message, Receive, Send, forward, respond
 from appliance.gateway.keycache import presented_key
 from appliance.gateway.keys import KeyEntry
 from appliance.gateway.parts import GatewayParts
 from appliance.gateway.priority import priority_headers, priority_on, with_priority
 from appliance.gateway.qualified import retry_after
-from appliance.gateway.sse import StreamMeter, Usage, usage_of
 from appliance.gateway.usage import UsageRecord
 from appliance.gateway.validate import ENDPOINTS, Endpoint, Parsed
 from appliance.sizes import bytes_text
 
 log = logging.getLogger(__name__)
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-FORWARDED_HEADERS = (b"accept", b"anthropic-version", b"anthropic-beta", b"x-request-id")
-STREAM_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
-                  (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 CLIENT_CLOSED = 499  # nginx's code for "the client went away"
 RECENT_DURATIONS = 256  # answered requests whose durations give the observed median
-
-
-@dataclass
-class Exchange:
-    """One request's bookkeeping, filled in as it goes."""
-
-    endpoint: Endpoint | None
-    started: float
-    started_at: dt.datetime
-    key: KeyEntry | None = None
-    parsed: Parsed | None = None
-    status: int = 200
-    outcome: str = "ok"
-    queue_ms: float = 0.0
-    ttft: float | None = None
-    predicted: float | None = None  # seconds to its first token, as admission predicted
-    usage: Usage = field(default_factory=Usage)
-    meter: StreamMeter | None = None  # a stream's, kept here so a cut-short one still counts
-    response_started: bool = False
-    response_done: bool = False
-    service_class: str = ""  # the key's class, once routed to admission
-    admitted: float | None = None  # perf_counter when it took its slot
-    prompt_estimate: int = 0  # admission's estimate of its prompt tokens (its prefill rate)
 
 
 class GatewayApp:
@@ -129,7 +101,7 @@ class GatewayApp:
         elif path == "/v1/models" or path.startswith("/v1/models/"):
             await self.models(scope, send)
         elif path == "/metrics":
-            await _respond(send, 200, self.parts.metrics.render(),
+            await respond(send, 200, self.parts.metrics.render(),
                            b"text/plain; version=0.0.4; charset=utf-8")
         elif path in ("/health", "/healthz"):
             await self.health(send)
@@ -159,11 +131,11 @@ class GatewayApp:
             body["cell"] = {"router": route.base_url, "serving": route.cell.serving,
                             "capacity": route.cell.capacity, "message": route.cell.message}
         if refusal is None:
-            await _respond(send, 200, msgspec.json.encode({"status": "ok", **body}))
+            await respond(send, 200, msgspec.json.encode({"status": "ok", **body}))
             return
         body = {"status": "unavailable", **body, "reason": refusal.message,
                 "retry_after": refusal.retry_after}
-        await _respond(send, 503, msgspec.json.encode(body), headers=refusal.headers())
+        await respond(send, 503, msgspec.json.encode(body), headers=refusal.headers())
 
     async def models(self, scope: Message, send: Send) -> None:
         """The served model, answered here (no engine needed, so clients can list models
@@ -189,7 +161,7 @@ class GatewayApp:
                 404, "model_not_found", f"the model {path.removeprefix('/v1/models/')!r} "
                 f"does not exist here; this box serves {name}", "model"), False)
             return
-        await _respond(send, 200, msgspec.json.encode(payload))
+        await respond(send, 200, msgspec.json.encode(payload))
 
     # --- generation ---------------------------------------------------------------------------
 
@@ -349,7 +321,7 @@ class GatewayApp:
                 parsed = replace(parsed, body=with_priority(parsed.body, parsed.endpoint.path,
                                                             cls.priority))
                 carried = priority_headers(parsed.endpoint.path, cls.priority)
-            await self._forward(ex, parsed, headers, send, carried)
+            await forward(parts, ex, parsed, headers, send, carried)
         finally:
             if ticket is not None:
                 self.classes.release(cls, weight, ticket)
@@ -367,81 +339,6 @@ class GatewayApp:
         return GatewayError(429, "queue_timeout",
                             f"waited {waited:.0f} s for a free slot ({who} is "
                             f"busy: {admission.in_use} running); retry later", retry_after=retry)
-
-    async def _forward(self, ex: Exchange, parsed: Parsed, headers: dict[bytes, bytes],
-                       send: Send, carried: dict[str, str]) -> None:
-        """Send the request on (with the client's `FORWARDED_HEADERS` and the gateway's own
-        `carried` ones) and its answer back."""
-        upstream_headers = {"content-type": "application/json"}
-        for name in FORWARDED_HEADERS:
-            if name in headers:
-                upstream_headers[name.decode()] = headers[name].decode("latin-1")
-        upstream_headers.update(carried)
-        anthropic = parsed.endpoint.anthropic
-        route = self.parts.gate.route  # the one the gate just let this request through by
-        target = route.upstream_name
-        try:
-            async with self.parts.upstream.request("POST", parsed.endpoint.path, parsed.body,
-                                                   upstream_headers,
-                                                   route.base_url) as response:
-                if response.status == 401:  # only SGLang's (or its router's) key check
-                    raise GatewayError(
-                        502, "engine_key_refused", f"{target} refused the gateway's engine "
-                        "key (secrets/engine-api.key changed after one of them started"
-                        + ("; every box of the cell must hold the head's" if route.cell
-                           else "") + "); restart the gateway, and the engine if that does "
-                        "not help")
-                if response.status >= 400:
-                    raise route.upstream_error(response.status, await response.read(), anthropic)
-                if parsed.stream and response.content_type == "text/event-stream":
-                    await self._stream(ex, parsed, response, send, target)
-                else:
-                    body = await response.read()
-                    ex.ttft = time.perf_counter() - ex.started
-                    ex.usage = usage_of(body)
-                    ex.response_started = ex.response_done = True
-                    await _respond(send, response.status, body,
-                                   response.headers.get("content-type",
-                                                        "application/json").encode("latin-1"))
-        except GatewayError:
-            raise
-        except TimeoutError:
-            if ex.response_started:
-                ex.outcome = "upstream_timeout"
-                await _end_stream(send, _cut(ex, target, anthropic))
-                return
-            raise GatewayError(504, "engine_timeout", f"{target} did not answer within "
-                               "gateway.first_byte_timeout_seconds") from None
-        except UpstreamFailed as exc:
-            if ex.response_started:
-                ex.outcome = "upstream_error"
-                await _end_stream(send, _cut(ex, target, anthropic))
-                return
-            raise route.unreachable(exc) from None
-
-    async def _stream(self, ex: Exchange, parsed: Parsed, response: Response,
-                      send: Send, target: str) -> None:
-        meter = ex.meter = StreamMeter(strip_usage=not parsed.wants_usage)
-        ex.usage = meter.usage  # filled in as the events pass
-        ex.response_started = True
-        await send({"type": "http.response.start", "status": 200, "headers": STREAM_HEADERS})
-        chunk: bytes | None = await response.chunk()
-        if chunk:
-            ex.ttft = time.perf_counter() - ex.started
-        # the per-token loop: names looked up once, the upstream read without a coroutine
-        feed, take, arrival = meter.feed, response.take, response.arrival
-        while chunk:
-            out = feed(chunk)
-            if out:
-                await send({"type": "http.response.body", "body": out, "more_body": True})
-            while (chunk := take()) is None:
-                await arrival()
-        tail = meter.finish()
-        if not meter.ended:  # the upstream closed it cleanly, yet before its last event
-            ex.outcome = "stream_interrupted"
-            tail += _cut(ex, target, parsed.endpoint.anthropic)
-        ex.response_done = True
-        await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     # --- accounting ---------------------------------------------------------------------------
 
@@ -509,33 +406,9 @@ class GatewayApp:
             decode_seconds=ended - first if streamed and first is not None else None)
 
     async def _error(self, send: Send, err: GatewayError, anthropic: bool) -> None:
-        await _respond(send, err.status, err.body(anthropic), headers=err.headers())
+        await respond(send, err.status, err.body(anthropic), headers=err.headers())
 
 
 async def _disconnected(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-def _cut(ex: Exchange, target: str, anthropic: bool) -> bytes:
-    """The error event that ends a stream its upstream cut short (nothing for a body that
-    was not a stream); a half-sent event is closed first."""
-    meter = ex.meter
-    if meter is None or ex.response_done:
-        return b""
-    event = stream_cut(target, meter.events).sse_event(anthropic)
-    return (b"\n\n" if meter.partial_sent else b"") + event
-
-
-async def _end_stream(send: Send, body: bytes = b"") -> None:
-    with contextlib.suppress(Exception):
-        await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def _respond(send: Send, status: int, body: bytes,
-                   content_type: bytes = b"application/json",
-                   headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    head = headers or [(b"content-type", content_type)]
-    head.append((b"content-length", str(len(body)).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": head})
-    await send({"type": "http.response.body", "body": body})
