@@ -231,6 +231,21 @@ def test_through_the_cell_requests_go_to_its_router_up_to_its_capacity(
         ("chat", False, 200, "ok"), ("chat", True, 200, "ok")]
     assert rows[-1][6] == 40  # the completion tokens the router's stream reported
 
+    # the real router has no /v1/messages: the gateway says so in Anthropic's shape, and
+    # sends nothing on
+    before = counts(local, cell_router)
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        refused = httpx.post(f"{live.url}{path}", headers={"x-api-key": key,
+                             "anthropic-version": "2023-06-01"}, json={
+                                 "model": MODEL, "max_tokens": 3,
+                                 "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+        assert refused.status_code == 404, refused.text
+        error = refused.json()
+        assert error["type"] == "error" and error["error"]["type"] == "not_found_error"
+        assert "heads a cell" in error["error"]["message"]
+        assert "/v1/chat/completions" in error["error"]["message"]
+    assert counts(local, cell_router) == before
+
     # the row going inactive gives the local engine back
     live.publish_cell(cell_router.url, active=False, capacity=3)
     body = wait_health(live, lambda b: "cell" not in b and b["limit"] == 4, "the local route")

@@ -22,7 +22,7 @@ both, such a request runs at the engine's `--default-priority-value` (the intera
 class's priority). The variable also lets the engine's callers override `rid`, the PD
 bootstrap fields, `conversation_id` and the DP ranks (`OVERRIDE_HEADERS`), so a client's
 header of that name must never reach the engine: the gateway forwards only the headers it
-names (`appliance.gateway.app.FORWARDED_HEADERS`), none of them.
+names (`appliance.gateway.forward.FORWARDED_HEADERS`), none of them.
 
 Invariants: the result is the same JSON object with exactly one `priority` key, the class's;
 a client's own `priority` is replaced, never kept (a key must not lift itself above its
