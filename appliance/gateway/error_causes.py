@@ -26,6 +26,8 @@ CAUSES: Mapping[str, str] = {
     "engine_unavailable": "refused while the engine was not serving (starting, restarting, "
                           "draining or stopped)",
     "cell_unavailable": "refused while the cell had no engine to send to",
+    "not_served_in_cell": "an Anthropic Messages request, which the cell's router does not "
+                          "serve",
     "invalid_api_key": "refused: no API key, or a wrong, revoked or expired one",
     "too_many_failed_keys": "refused: the address had sent too many wrong API keys",
     "queue_full": "refused: the gateway's queue was full",
