@@ -253,6 +253,8 @@ class Figures:
     decode_p50: float | None  # tokens/s per admitted interactive stream, model time
     refused: float  # share of interactive arrivals refused early (predicted to miss)
     timed_out: float  # share of interactive arrivals answered 429 after waiting
+    missed_ttft: float  # share of interactive arrivals completed, first token over the SLO
+    missed_decode: float  # ... first token in time, decoded under the floor
     refusal_ms_p99: float | None  # real, the early refusals
     batch_done: float  # share of batch arrivals completed within the deadline
     out_tps: float  # model
@@ -267,7 +269,7 @@ def figures(outcomes: list[Outcome], minutes: float, cell_seconds: float,
 
     interactive = [o for o in outcomes if o.kind == INTERACTIVE]
     batch = [o for o in outcomes if o.kind == BATCH]
-    good_i = good_b = 0
+    good_i = good_b = late = slow = 0
     ttfts: list[float] = []
     speeds: list[float] = []
     for o in interactive:
@@ -278,6 +280,8 @@ def figures(outcomes: list[Outcome], minutes: float, cell_seconds: float,
             speed = (o.tokens - 1) / decode if decode > 0 else math.inf
             speeds.append(speed)
             good_i += ttft <= TTFT_SLO and speed >= FLOOR
+            late += ttft > TTFT_SLO
+            slow += ttft <= TTFT_SLO and speed < FLOOR
     for o in batch:
         good_b += o.completed and o.ended is not None and model(o.ended - o.sent) <= DEADLINE
     early = [o for o in outcomes if o.code == PREDICTED_MISS]
@@ -288,7 +292,7 @@ def figures(outcomes: list[Outcome], minutes: float, cell_seconds: float,
     share = 1 / len(interactive) if interactive else 0.0
     return Figures(good_i / minutes, good_b / minutes, percentile(ttfts, 0.5),
                    percentile(ttfts, 0.99), percentile(speeds, 0.5), len(early) * share,
-                   waited * share, percentile(answer_ms, 0.99),
+                   waited * share, late * share, slow * share, percentile(answer_ms, 0.99),
                    good_b / len(batch) if batch else math.nan,
                    sum(o.tokens for o in outcomes if o.completed) / max(cell_seconds, 1e-9),
                    len(outcomes), failed)
@@ -311,6 +315,8 @@ ROWS = (("interactive goodput /min", "good_interactive", ".1f"),
         ("decode p50 tok/s (admitted int.)", "decode_p50", ".1f"),
         ("interactive refused early", "refused", ".0%"),
         ("interactive 429 after waiting", "timed_out", ".0%"),
+        ("interactive missed TTFT", "missed_ttft", ".0%"),
+        ("interactive missed decode floor", "missed_decode", ".0%"),
         ("early refusal p99 ms (real)", "refusal_ms_p99", ".1f"),
         ("batch completed in deadline", "batch_done", ".0%"),
         ("output tok/s", "out_tps", ".0f"),
@@ -427,7 +433,8 @@ def main() -> int:
                 print(f"  {level:g}x {mode:<9} {got.arrivals} arrivals: interactive good "
                       f"{got.good_interactive:.1f}/min, decode p50 "
                       f"{show(got.decode_p50, '.1f')} tok/s, refused early {got.refused:.0%}, "
-                      f"429 after waiting {got.timed_out:.0%}, batch "
+                      f"429 after waiting {got.timed_out:.0%}, missed TTFT "
+                      f"{got.missed_ttft:.0%}, missed floor {got.missed_decode:.0%}, batch "
                       f"{show(got.batch_done, '.0%')}, {got.failed} failed", flush=True)
                 for child in children:
                     child.check_alive()
