@@ -11,7 +11,7 @@ import pytest
 
 from appliance.gateway import slo
 from appliance.gateway.admission import Admission
-from appliance.gateway.class_gate import ClassGate, Ticket
+from appliance.gateway.class_gate import GUARD_TOKENS, ClassGate, Ticket
 from appliance.gateway.classes import (
     BATCH,
     DEFAULT_CLASSES,
@@ -454,3 +454,68 @@ def test_a_queued_request_that_ran_late_raises_the_headroom_on_the_live_path() -
     with pytest.raises(GatewayError) as refused:
         gate.refuse_early(interactive, 8000)  # 4 + 2.5 (at most half the SLO) > 5
     assert refused.value.retry_after == 2
+
+
+# --- the decode-floor guard -------------------------------------------------------------------
+
+FLOORED = {"interactive": {"ttft_slo_seconds": 5, "decode_floor_tps": 32},
+           "batch": {"share": 0.5, "deadline_seconds": 600}}
+
+
+def streaming(gate: ClassGate, cls: str, clock: Clock, tokens: list[int],
+              since: float) -> Ticket:
+    """A stream of `cls` aboard whose first token came `since` seconds ago."""
+    ticket = aboard(gate, cls, tokens)
+    first = clock.now - since
+    ticket.first = lambda: first
+    return ticket
+
+
+def test_a_stream_under_its_floor_holds_batch_back_and_interactive_still_goes() -> None:
+    gate, clock = a_gate(4, FLOORED)
+    interactive, batch = gate.of(INTERACTIVE), gate.of(BATCH)
+    aboard(gate, BATCH, [100])
+    slow = [200]
+    streaming(gate, INTERACTIVE, clock, slow, since=10.0)  # 199 tokens in 10 s: 19.9/s
+    assert not gate.try_acquire(batch, 1, 32768)  # another 32K prefill would slow it more
+    assert gate.try_acquire(interactive, 1, 8000)
+    slow[0] = 400  # 39.9/s: over 1.1 x 32
+    assert gate.try_acquire(batch, 1, 32768)
+
+
+def test_a_stream_too_young_to_judge_holds_nothing() -> None:
+    gate, clock = a_gate(4, FLOORED)
+    aboard(gate, BATCH, [100])
+    streaming(gate, INTERACTIVE, clock, [GUARD_TOKENS - 1], since=10.0)  # 15 tokens: unjudged
+    aboard(gate, INTERACTIVE, [0])  # not streaming yet: nothing to read
+    assert gate.try_acquire(gate.of(BATCH), 1, 32768)
+
+
+def test_work_that_may_wait_keeps_one_slot_however_slow_the_streams() -> None:
+    gate, clock = a_gate(4, FLOORED)
+    streaming(gate, INTERACTIVE, clock, [100], since=10.0)  # 9.9/s, yet no batch in flight
+    assert gate.try_acquire(gate.of(BATCH), 1, 32768)
+
+
+def test_a_held_batch_request_waits_and_goes_once_the_slow_stream_ends() -> None:
+    async def scenario() -> None:
+        gate, clock = a_gate(4, FLOORED)
+        batch = gate.of(BATCH)
+        aboard(gate, BATCH, [100])
+        slow = streaming(gate, INTERACTIVE, clock, [200], since=10.0)
+        waiter = asyncio.create_task(gate.acquire(batch, 9, 1, 32768, 600.0))
+        await settle()
+        assert gate.admission.waiting == 1 and gate.admission.in_use == 2  # a slot free, held
+        gate.release(gate.of(INTERACTIVE), 1, slow)  # the slow stream ends: nobody strained
+        await asyncio.wait_for(waiter, 5)
+        assert gate.admission.waiting == 0 and gate.admission.group_use[BATCH] == 2
+
+    asyncio.run(scenario())
+
+
+def test_without_a_floor_above_another_class_there_is_no_guard() -> None:
+    assert a_gate(4, {"interactive": {"ttft_slo_seconds": 5}, "batch": {}})[0] \
+        .admission.may_grant is None
+    # the floor on the lowest class only: nothing ranks below it to hold back
+    assert a_gate(4, {"interactive": {"priority": 0}, "batch": {"decode_floor_tps": 5}})[0] \
+        .admission.may_grant is None

@@ -26,6 +26,10 @@ its share does not hold back the waiters of other groups), and a waiter of a hig
 `priority` is granted before those of lower ones (round-robin over keys within a priority;
 an arrival takes the fast path only when no waiter of its priority or above waits).
 
+A class gate may also veto grants by priority (`may_grant`, the decode-floor guard of
+appliance.gateway.class_gate): a request it holds waits in the queue as one over the limit
+does.
+
 Runs on the event loop; no locks, because nothing here awaits between reading and writing
 the counters.
 """
@@ -35,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Bytes of request body per prompt token: OpenAI's rule of thumb for English text (about four
@@ -82,6 +87,8 @@ class Admission:
         # there, from the qualification): the early refusal's estimate until the gateway has
         # measured its own (None: not qualified, or the limit is not the point).
         self.service_prior: float | None = None
+        # A veto on grants by priority (None: none): see the module docstring.
+        self.may_grant: Callable[[int], bool] | None = None
 
     def set_limit(self, limit: int) -> None:
         """A new limit (the engine's capacity changed); a raise admits waiters at once."""
@@ -117,11 +124,14 @@ class Admission:
         return sum(w.weight for queue in self._queues.values() for w in queue
                    if w.priority >= priority)
 
-    def _fits(self, weight: int, tokens: int, group: str = "", share: float = 1.0) -> bool:
+    def _fits(self, weight: int, tokens: int, group: str = "", share: float = 1.0,
+              priority: int = 0) -> bool:
         if self.in_use + weight > self.limit or self._over_share(weight, group, share):
             return False
         kv = self.kv_share()
-        return kv is None or self.in_use == 0 or tokens <= kv
+        if kv is not None and self.in_use and tokens > kv:
+            return False
+        return self.may_grant is None or self.may_grant(priority)
 
     def _take(self, weight: int, tokens: int, group: str = "") -> None:
         self.in_use += weight
@@ -134,7 +144,7 @@ class Admission:
         """Admit at once if a slot is free, the prompt fits its KV share and nobody of this
         priority or above is waiting (the fast path)."""
         ahead = self.waiting and self.waiting_at_or_above(priority)
-        if not ahead and self._fits(weight, tokens, group, share):
+        if not ahead and self._fits(weight, tokens, group, share, priority):
             self._take(weight, tokens, group)
             return True
         return False
@@ -206,7 +216,8 @@ class Admission:
     def _grant(self) -> None:
         while self._ring:
             head = self._next()
-            if head is None or not self._fits(head.weight, head.tokens, head.group, head.share):
+            if head is None or not self._fits(head.weight, head.tokens, head.group, head.share,
+                                              head.priority):
                 return
             key = head.key
             queue = self._queues[key]

@@ -315,8 +315,9 @@ class GatewayApp:
         # in flight, for the next arrivals' estimates: its tokens so far once it streams
         ticket = self.classes.board(
             cls, weight, tokens, parsed.max_tokens,
-            lambda: ex.meter.events if ex.meter is not None else None) \
-            if parsed.endpoint.generates else None
+            lambda: ex.meter.events if ex.meter is not None else None,
+            lambda: ex.started + ex.ttft if ex.meter is not None and ex.ttft is not None
+            else None) if parsed.endpoint.generates else None
         try:
             refusal = parts.gate.refusal()  # the engine may have begun to stop meanwhile
             if refusal is not None:

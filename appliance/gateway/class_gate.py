@@ -21,6 +21,16 @@ borrows the qualification's full batch at the qualified point as its service tim
 queue blind; a slot granted this instant, before its request boarded, counts as freshly
 taken.
 
+The decode-floor guard (`may_grant`): a long prompt prefills in the same engine steps as the
+running streams decode (SGLang's chunked prefill, mixed with decode), so every batch request
+admitted stalls each interactive stream for its prefill (a 32K prompt: four 8K chunks, about
+2.3 s on a K3 box). While a stream of a class with a decode floor has run under
+`GUARD_MARGIN` x its floor since its first token (read once it has `GUARD_TOKENS`), a request
+of a lower priority is not granted a slot but waits in the queue (up to its own allowance,
+batch's deadline), unless no request of its priority or below is in flight: work that may
+wait keeps at least one slot, so it is delayed, never starved. Lower priorities are
+granted again at the next release once every floored stream runs above the margin.
+
 Invariant: a Ticket is boarded after its slot is acquired and leaves with `release`, so the
 tickets are the admitted requests (less those granted but not yet resumed).
 """
@@ -37,11 +47,19 @@ from appliance.gateway.classes import ServiceClass, class_of
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.metrics import GatewayMetrics
 
+GUARD_TOKENS = 16  # a stream's decode rate is read once it has streamed this many tokens
+GUARD_MARGIN = 1.1  # lower priorities wait while a floored stream runs under 1.1 x its floor
+
+
+def _unseen() -> float | None:
+    return None
+
 
 @dataclass(eq=False)
 class Ticket:
     """One admitted request, as the estimate reads it. `progress` says how many tokens it
-    has streamed (None while that is unseen: not a stream, or its answer not begun)."""
+    has streamed (None while that is unseen: not a stream, or its answer not begun), `first`
+    when its first token came (the clock's time; None: not yet, or not a stream)."""
 
     service_class: str
     weight: int
@@ -50,6 +68,7 @@ class Ticket:
     progress: Callable[[], int | None]
     admitted: float = 0.0
     priority: int = 0  # its class's (whose prefill goes first in the engine)
+    first: Callable[[], float | None] = _unseen
 
 
 class ClassGate:
@@ -61,6 +80,13 @@ class ClassGate:
         self.clock = clock
         self.measures: dict[str, slo.Measures] = {}
         self.flying: set[Ticket] = set()
+        self.floors = {c.name: c.decode_floor_tps for c in classes.values()
+                       if c.decode_floor_tps is not None}
+        # the guard can hold only priorities under a floored class's
+        self.floor_top = max((classes[name].priority for name in self.floors), default=None)
+        if self.floor_top is not None and any(c.priority < self.floor_top
+                                              for c in classes.values()):
+            admission.may_grant = self.may_grant
 
     def of(self, name: str) -> ServiceClass:
         return class_of(self.classes, name)
@@ -74,12 +100,34 @@ class ClassGate:
         return self.admission.try_acquire(weight, tokens, cls.name, cls.share, cls.priority)
 
     def board(self, cls: ServiceClass, weight: int, tokens: int, max_tokens: int | None,
-              progress: Callable[[], int | None]) -> Ticket:
+              progress: Callable[[], int | None],
+              first: Callable[[], float | None] = _unseen) -> Ticket:
         """Note a request that has just taken its slot; `release` ends it."""
         ticket = Ticket(cls.name, weight, tokens, max_tokens, progress, self.clock(),
-                        cls.priority)
+                        cls.priority, first)
         self.flying.add(ticket)
         return ticket
+
+    def may_grant(self, priority: int) -> bool:
+        """The decode-floor guard (the module docstring says why): False while a floored
+        stream of a higher class runs under GUARD_MARGIN x its floor and a request of this
+        priority or below is in flight."""
+        top = self.floor_top
+        if top is None or priority >= top:
+            return True
+        now = self.clock()
+        yielding = strained = False
+        for t in self.flying:
+            if t.priority <= priority:
+                yielding = True
+            elif not strained and (floor := self.floors.get(t.service_class)) is not None:
+                first, produced = t.first(), t.progress()
+                if first is not None and produced is not None and produced >= GUARD_TOKENS \
+                        and now > first and (produced - 1) / (now - first) < floor * GUARD_MARGIN:
+                    strained = True
+            if yielding and strained:
+                return False
+        return True
 
     def outlook(self, cls: ServiceClass, tokens: int, weight: int = 1) -> slo.Outlook:
         admission = self.admission
