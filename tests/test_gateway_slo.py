@@ -519,3 +519,15 @@ def test_without_a_floor_above_another_class_there_is_no_guard() -> None:
     # the floor on the lowest class only: nothing ranks below it to hold back
     assert a_gate(4, {"interactive": {"priority": 0}, "batch": {"decode_floor_tps": 5}})[0] \
         .admission.may_grant is None
+
+
+def test_a_waiter_that_timed_out_teaches_the_headroom_the_least_it_was_late_by() -> None:
+    gate, _ = a_gate(2)
+    interactive = gate.of(INTERACTIVE)
+    serve_one(gate, INTERACTIVE, held=22.0, prompt=8000, tokens=1000)  # 2 s of prefill
+    for _ in range(slo.ERRORS_NEEDED):
+        # predicted 2.5 s; waited 3 s without a slot: at least 3 + 2 - 2.5 s late
+        gate.waited_out(interactive, 8000, 2.5, 3.0)
+    assert gate.measured(INTERACTIVE).errors == (2.5,) * slo.ERRORS_NEEDED
+    gate.waited_out(interactive, 8000, None, 3.0)  # never predicted: says nothing
+    assert len(gate.measured(INTERACTIVE).errors) == slo.ERRORS_NEEDED

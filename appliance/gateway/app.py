@@ -306,8 +306,11 @@ class GatewayApp:
             allowance = self.classes.allowance(cls, tokens)
             try:
                 await self.classes.acquire(cls, key.id, weight, tokens, allowance)
-            except (QueueFull, QueueTimeout) as exc:
-                raise self._busy(full=isinstance(exc, QueueFull), waited=allowance) from None
+            except QueueFull:
+                raise self._busy(full=True, waited=allowance) from None
+            except QueueTimeout:
+                self.classes.waited_out(cls, tokens, ex.predicted, allowance)
+                raise self._busy(full=False, waited=allowance) from None
             finally:
                 ex.queue_ms = (time.perf_counter() - waited) * 1000
                 parts.metrics.queue_wait.observe(ex.queue_ms / 1000)

@@ -11,7 +11,8 @@ Retry-After); otherwise it waits in the fair queue for at most C's allowance (`a
 deadline; else its SLO less its own predicted prefill and the class's headroom, since a slot
 granted later can no longer give it its first token in time and is better left to the next;
 else gateway.queue_wait_seconds), then 429 `queue_timeout`. Once such a request has its first
-token, how late it came against its prediction feeds the class's headroom (`erred`).
+token, how late it came against its prediction feeds the class's headroom (`erred`); one that
+waited out its allowance feeds it the least it would have been late by (`waited_out`).
 
 The estimate reads the slots C could take: while C is held back by its own share, only its
 own class's requests free one for it; otherwise any admitted request does, of whatever
@@ -173,6 +174,16 @@ class ClassGate:
         """Feed `cls_name`'s headroom with how late a predicted first token came."""
         self.measures[cls_name] = self.measures.get(cls_name, slo.Measures()).erred(
             seconds_late)
+
+    def waited_out(self, cls: ServiceClass, tokens: int, predicted: float | None,
+                   waited: float) -> None:
+        """A predicted request that waited its whole allowance without a slot: its first
+        token would have come after that wait and its prefill, so it was at least that late
+        against its prediction. Fed to the headroom like a first token seen, or the headroom
+        would learn only from the requests that were served (the least late ones)."""
+        if predicted is not None:
+            self.erred(cls.name, waited + self.measured(cls.name).prefill_seconds(tokens)
+                       - predicted)
 
     def allowance(self, cls: ServiceClass, tokens: int) -> float:
         """The longest this request may wait for a slot (the module docstring says why)."""
