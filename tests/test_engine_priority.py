@@ -13,8 +13,8 @@ from appliance.config import Config, GatewayConfig, load_config
 from appliance.engine.args import Origin, build_launch_spec, inputs_from_config
 from appliance.engine.priority import AUTO_CONCURRENCY, preemption_threshold, priority_args
 from appliance.engine.validate import check_argv
-from appliance.gateway.forward import FORWARDED_HEADERS
 from appliance.gateway.classes import BATCH, INTERACTIVE, effective, parse_classes
+from appliance.gateway.forward import FORWARDED_HEADERS
 from appliance.gateway.priority import (
     HEADER_OVERRIDES_ENV,
     OVERRIDE_HEADERS,
