@@ -471,16 +471,25 @@ def streaming(gate: ClassGate, cls: str, clock: Clock, tokens: list[int],
     return ticket
 
 
-def test_a_stream_under_its_floor_holds_batch_back_and_interactive_still_goes() -> None:
+def test_a_stream_under_its_floor_holds_batch_back_and_interactive_still_goes(
+        caplog: pytest.LogCaptureFixture) -> None:
     gate, clock = a_gate(4, FLOORED)
     interactive, batch = gate.of(INTERACTIVE), gate.of(BATCH)
     aboard(gate, BATCH, [100])
     slow = [200]
     streaming(gate, INTERACTIVE, clock, slow, since=10.0)  # 199 tokens in 10 s: 19.9/s
-    assert not gate.try_acquire(batch, 1, 32768)  # another 32K prefill would slow it more
-    assert gate.try_acquire(interactive, 1, 8000)
-    slow[0] = 400  # 39.9/s: over 1.1 x 32
-    assert gate.try_acquire(batch, 1, 32768)
+    with caplog.at_level("INFO", "appliance.gateway.class_gate"):
+        assert not gate.try_acquire(batch, 1, 32768)  # another 32K prefill: slower still
+        assert not gate.try_acquire(batch, 1, 32768)
+        assert gate.try_acquire(interactive, 1, 8000)
+        slow[0] = 400  # 39.9/s: over 1.1 x 32
+        assert gate.try_acquire(batch, 1, 32768)
+    # said in the log once as it turns, each way, with the stream's speed and the floor
+    assert [r.getMessage() for r in caplog.records] == [
+        "holding back work of priority 0 and below: a stream of the interactive class runs "
+        "at 19.9 tokens/s, under 1.1 x its floor of 32",
+        "no longer holding back lower-priority work: every judged stream runs above 1.1 x "
+        "its class's floor"]
 
 
 def test_a_stream_too_young_to_judge_holds_nothing() -> None:

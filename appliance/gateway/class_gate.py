@@ -38,6 +38,7 @@ tickets are the admitted requests (less those granted but not yet resumed).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from appliance.gateway.classes import ServiceClass, class_of
 from appliance.gateway.errors import GatewayError
 from appliance.gateway.metrics import GatewayMetrics
 
+log = logging.getLogger(__name__)
 GUARD_TOKENS = 16  # a stream's decode rate is read once it has streamed this many tokens
 GUARD_MARGIN = 1.1  # lower priorities wait while a floored stream runs under 1.1 x its floor
 
@@ -85,6 +87,7 @@ class ClassGate:
                        if c.decode_floor_tps is not None}
         # the guard can hold only priorities under a floored class's
         self.floor_top = max((classes[name].priority for name in self.floors), default=None)
+        self.holding = False  # the guard's last verdict on a lower priority (logged as it turns)
         if self.floor_top is not None and any(c.priority < self.floor_top
                                               for c in classes.values()):
             admission.may_grant = self.may_grant
@@ -117,17 +120,29 @@ class ClassGate:
         if top is None or priority >= top:
             return True
         now = self.clock()
-        yielding = strained = False
+        yielding = False
+        strained: tuple[str, float, float] | None = None  # class, its stream's rate, floor
         for t in self.flying:
             if t.priority <= priority:
                 yielding = True
-            elif not strained and (floor := self.floors.get(t.service_class)) is not None:
+            elif strained is None and (floor := self.floors.get(t.service_class)) is not None:
                 first, produced = t.first(), t.progress()
                 if first is not None and produced is not None and produced >= GUARD_TOKENS \
-                        and now > first and (produced - 1) / (now - first) < floor * GUARD_MARGIN:
-                    strained = True
-            if yielding and strained:
+                        and now > first:
+                    rate = (produced - 1) / (now - first)
+                    if rate < floor * GUARD_MARGIN:
+                        strained = (t.service_class, rate, floor)
+            if yielding and strained is not None:
+                if not self.holding:
+                    self.holding = True
+                    log.info("holding back work of priority %d and below: a stream of the %s "
+                             "class runs at %.1f tokens/s, under %g x its floor of %g", priority,
+                             strained[0], strained[1], GUARD_MARGIN, strained[2])
                 return False
+        if self.holding:
+            self.holding = False
+            log.info("no longer holding back lower-priority work: every judged stream runs "
+                     "above %g x its class's floor", GUARD_MARGIN)
         return True
 
     def outlook(self, cls: ServiceClass, tokens: int, weight: int = 1) -> slo.Outlook:
