@@ -173,12 +173,9 @@ class GatewayApp:
             await parts.fresh()  # after an idle spell: keys and engine state read since
             headers = dict(scope["headers"])
             ex.key = key = await self._authenticate(scope, headers, ex.started_at)
-            if endpoint.anthropic and parts.gate.route.through_cell:
-                raise GatewayError(
-                    404, "not_served_in_cell", f"{endpoint.path} is not served while this "
-                    "box heads a cell: the cell's router (sglang-router 0.3.2) has no "
-                    "Anthropic Messages route; send the conversation to /v1/chat/completions "
-                    "(OpenAI's format), which the cell serves")
+            unserved = parts.gate.route.unserved(endpoint.path, endpoint.anthropic)
+            if unserved is not None:
+                raise unserved
             content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
             if content_type != b"application/json":
                 raise GatewayError(415, "unsupported_media_type",

@@ -181,6 +181,17 @@ class Route:
         error = rewrap_engine_error(status, body, anthropic)
         return dataclasses.replace(error, message=without_urls(error.message))
 
+    def unserved(self, path: str, anthropic: bool) -> GatewayError | None:
+        """The 404 for a path this upstream has no route for, or None: the cell's router
+        (sglang-router 0.3.2, src/server.rs) has no Anthropic Messages route, so such a
+        request is answered here and never sent on."""
+        if self.cell is None or not anthropic:
+            return None
+        return GatewayError(
+            404, "not_served_in_cell", f"{path} is not served while this box heads a cell: "
+            "the cell's router (sglang-router 0.3.2) has no Anthropic Messages route; send "
+            "the conversation to /v1/chat/completions (OpenAI's format), which the cell serves")
+
     def unreachable(self, exc: Exception) -> GatewayError:
         """The error for an upstream that could not be reached at all."""
         if self.cell is not None:
