@@ -115,12 +115,8 @@ def modelled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
                    [str(model_dir), "--enable-metrics", "--mamba-full-memory-ratio", "0.5"],
                    FAKE_SGLANG_LOAD_SECONDS="1", FAKE_SGLANG_PERF=PERF,
                    FAKE_SGLANG_TIME_SCALE=str(SCALE))
-    try:
-        emu.wait_ready()
+    with emu.served():
         yield emu
-        emu.stop_cleanly()
-    finally:
-        emu.kill()
 
 
 async def stream_one(client: httpx.AsyncClient, index: int) -> tuple[int, str | None]:

@@ -124,6 +124,16 @@ class Emulator:
         assert self.wait_exit() == 0
         assert wait_for(lambda: group_gone(self.pgid), "the process group to go")
 
+    @contextlib.contextmanager
+    def served(self) -> Iterator[Emulator]:
+        """Ready, then stopped cleanly (asserted) when done; killed whatever happened."""
+        try:
+            self.wait_ready()
+            yield self
+            self.stop_cleanly()
+        finally:
+            self.kill()
+
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pgid, signal.SIGKILL)

@@ -50,12 +50,8 @@ def running(root: Path, *flags: str) -> Iterator[Emulator]:
     emu = Emulator(root, [str(small_model(root / "model", 1 << 20)), "--tp-size", "2",
                           "--max-running-requests", "2", "--served-model-name", MODEL, *flags],
                    FAKE_SGLANG_LOAD_SECONDS="1")
-    try:
-        emu.wait_ready()
+    with emu.served():
         yield emu
-        emu.stop_cleanly()
-    finally:
-        emu.kill()
 
 
 @pytest.fixture(scope="module")

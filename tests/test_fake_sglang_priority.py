@@ -226,19 +226,20 @@ def test_the_scheduler_applies_max_queued_requests() -> None:
 
 
 # --- over HTTP ------------------------------------------------------------------------------
+def one_slot(tmp_path_factory: pytest.TempPathFactory, name: str,
+             **env: str) -> Emulator:
+    """One running slot, priority scheduling (default 10), a queue of two, slow tokens."""
+    model_dir = small_model(tmp_path_factory.mktemp("model"), shard_bytes=1 << 16)
+    return Emulator(tmp_path_factory.mktemp(name),
+                    [str(model_dir), "--max-running-requests", "1", "--enable-priority-scheduling",
+                     "--default-priority-value", "10", "--max-queued-requests", "2"],
+                    FAKE_SGLANG_LOAD_SECONDS="1", FAKE_SGLANG_FAULT="slow_tokens=0.05", **env)
+
+
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
-    model_dir = small_model(tmp_path_factory.mktemp("model"), shard_bytes=1 << 16)
-    emu = Emulator(tmp_path_factory.mktemp("priority"),
-                   [str(model_dir), "--max-running-requests", "1", "--enable-priority-scheduling",
-                    "--default-priority-value", "10", "--max-queued-requests", "2"],
-                   FAKE_SGLANG_LOAD_SECONDS="1", FAKE_SGLANG_FAULT="slow_tokens=0.05")
-    try:
-        emu.wait_ready()
+    with one_slot(tmp_path_factory, "priority").served() as emu:
         yield emu
-        emu.stop_cleanly()
-    finally:
-        emu.kill()
 
 
 async def until(client: httpx.AsyncClient, running: int, waiting: int) -> None:
@@ -251,9 +252,11 @@ async def until(client: httpx.AsyncClient, running: int, waiting: int) -> None:
 
 
 async def ask(client: httpx.AsyncClient, ended: list[str], name: str, path: str,
-              body: dict[str, object]) -> httpx.Response:
-    """POST `body` to `path`; `name` joins `ended` when the answer has come (the finish order)."""
-    reply = await client.post(path, json=body)
+              body: dict[str, object], priority: str | None = None) -> httpx.Response:
+    """POST `body` to `path` (with `x-override-priority: priority` when given); `name` joins
+    `ended` when the answer has come (the finish order)."""
+    headers = {} if priority is None else {"x-override-priority": priority}
+    reply = await client.post(path, json=body, headers=headers)
     ended.append(name)
     return reply
 
@@ -309,12 +312,8 @@ def modelled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
                     "0", "--retraction-policy", "priority", "--max-queued-requests", "1"],
                    FAKE_SGLANG_LOAD_SECONDS="1", FAKE_SGLANG_PERF="k3-b300",
                    FAKE_SGLANG_TIME_SCALE="1")
-    try:
-        emu.wait_ready()
+    with emu.served():
         yield emu
-        emu.stop_cleanly()
-    finally:
-        emu.kill()
 
 
 def test_the_model_preempts_for_a_higher_priority_as_the_real_engine_does(
@@ -349,32 +348,14 @@ def test_the_model_preempts_for_a_higher_priority_as_the_real_engine_does(
 @pytest.fixture(scope="module")
 def overriding(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
     """The first emulator's flags, run with SGLang's header overrides on."""
-    model_dir = small_model(tmp_path_factory.mktemp("model"), shard_bytes=1 << 16)
-    emu = Emulator(tmp_path_factory.mktemp("overriding"),
-                   [str(model_dir), "--max-running-requests", "1", "--enable-priority-scheduling",
-                    "--default-priority-value", "10", "--max-queued-requests", "2"],
-                   FAKE_SGLANG_LOAD_SECONDS="1", FAKE_SGLANG_FAULT="slow_tokens=0.05",
-                   SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES="1")
-    try:
-        emu.wait_ready()
+    with one_slot(tmp_path_factory, "overriding",
+                  SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES="1").served() as emu:
         yield emu
-        emu.stop_cleanly()
-    finally:
-        emu.kill()
 
 
 MESSAGES = {"model": "k3", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 LONG_CHAT = {"model": "k3", "messages": [{"role": "user", "content": "hi"}],
              "max_tokens": 100, "ignore_eos": True}
-
-
-async def ask_with(client: httpx.AsyncClient, ended: list[str], name: str, path: str,
-                   body: dict[str, object], priority: str | None = None) -> httpx.Response:
-    """`ask`, with `x-override-priority: priority` when given."""
-    headers = {} if priority is None else {"x-override-priority": priority}
-    reply = await client.post(path, json=body, headers=headers)
-    ended.append(name)
-    return reply
 
 
 def test_the_header_sets_a_messages_requests_priority_and_overrides_the_body(
@@ -384,15 +365,15 @@ def test_the_header_sets_a_messages_requests_priority_and_overrides_the_body(
     async def scenario() -> dict[str, httpx.Response]:
         async with httpx.AsyncClient(base_url=overriding.url, timeout=60) as client:
             tasks = {"first": asyncio.ensure_future(
-                ask_with(client, order, "first", "/v1/chat/completions", LONG_CHAT))}
+                ask(client, order, "first", "/v1/chat/completions", LONG_CHAT))}
             await until(client, 1, 0)
             tasks["low"] = asyncio.ensure_future(
-                ask_with(client, order, "low", "/v1/messages", MESSAGES, "0"))
+                ask(client, order, "low", "/v1/messages", MESSAGES, "0"))
             await until(client, 1, 1)
             tasks["default"] = asyncio.ensure_future(
-                ask_with(client, order, "default", "/v1/messages", MESSAGES))
+                ask(client, order, "default", "/v1/messages", MESSAGES))
             await until(client, 1, 2)
-            tasks["urgent"] = asyncio.ensure_future(ask_with(
+            tasks["urgent"] = asyncio.ensure_future(ask(
                 client, order, "urgent", "/generate",
                 {"text": "c d", "sampling_params": {"max_new_tokens": 4}}, "20"))
             low = await tasks.pop("low")  # the queue's lowest, dropped for the newcomer
@@ -456,14 +437,14 @@ def test_without_the_switch_the_header_is_ignored_and_messages_take_the_default(
     async def scenario() -> dict[str, httpx.Response]:
         async with httpx.AsyncClient(base_url=emulator.url, timeout=60) as client:
             tasks = {"first": asyncio.ensure_future(
-                ask_with(client, order, "first", "/v1/chat/completions", LONG_CHAT))}
+                ask(client, order, "first", "/v1/chat/completions", LONG_CHAT))}
             await until(client, 1, 0)
-            tasks["five"] = asyncio.ensure_future(ask_with(
+            tasks["five"] = asyncio.ensure_future(ask(
                 client, order, "five", "/v1/chat/completions",
                 {**LONG_CHAT, "max_tokens": 4, "priority": 5}, "99"))
             await until(client, 1, 1)
             tasks["messages"] = asyncio.ensure_future(
-                ask_with(client, order, "messages", "/v1/messages", MESSAGES, "high"))
+                ask(client, order, "messages", "/v1/messages", MESSAGES, "high"))
             return dict(zip(tasks, await asyncio.gather(*tasks.values()), strict=True))
 
     got = asyncio.run(scenario())
