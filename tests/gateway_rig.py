@@ -8,6 +8,7 @@ writes, and creates keys with the key store the console uses.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import threading
 import time
@@ -114,14 +115,15 @@ def make_key(config: Config, db: Database, name: str = "alice", **limits: int | 
 
 
 def start_engine(tmp_path_factory: pytest.TempPathFactory, *flags: str,
-                 token_seconds: float = 0.002) -> Emulator:
-    """The engine emulator serving MODEL with at most 4 running requests, ready."""
+                 token_seconds: float = 0.002, **env: str) -> Emulator:
+    """The engine emulator serving MODEL with at most 4 running requests (`flags` come last,
+    so they may change that), `env` in its environment, ready."""
     root = tmp_path_factory.mktemp("engine")
     emu = Emulator(root, [str(small_model(root / "model", 1 << 20)), "--served-model-name", MODEL,
                           "--max-running-requests", "4", "--enable-cache-report",
                           "--reasoning-parser", "kimi_k3", "--tool-call-parser", "kimi_k3",
                           "--tp-size", "8", "--dcp-size", "8", *flags],
-                   FAKE_SGLANG_FAULT=f"slow_tokens={token_seconds}")
+                   FAKE_SGLANG_FAULT=f"slow_tokens={token_seconds}", **env)
     emu.wait_ready()
     return emu
 
@@ -135,6 +137,21 @@ def stop_engine(emu: Emulator) -> None:
 
 def emulator_stats(engine: Emulator) -> dict[str, int]:
     return dict(httpx.get(f"{engine.url}/emulator/stats", timeout=5).json())
+
+
+async def engine_at(engine: Emulator, running: int, waiting: int,
+                    finished: list[str] | None = None) -> None:
+    """Wait until the emulator has `running` requests running and `waiting` queued (bounded;
+    its state is what is waited on). `finished`: the requests answered so far; any there
+    means the queue was never set up, a failure at once."""
+    for _ in range(3000):
+        stats = await asyncio.to_thread(emulator_stats, engine)
+        if (stats["running"], stats["waiting"]) == (running, waiting):
+            return
+        if finished:
+            pytest.fail(f"{finished} finished before the engine's queue was set up")
+        await asyncio.sleep(0.01)
+    pytest.fail(f"the engine never had {running} running and {waiting} waiting")
 
 
 def auth(key: str) -> dict[str, str]:

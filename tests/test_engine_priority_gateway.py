@@ -24,7 +24,7 @@ from tests.gateway_rig import (
     LiveGateway,
     auth,
     chat_body,
-    emulator_stats,
+    engine_at,
     start_engine,
     stop_engine,
 )
@@ -61,22 +61,14 @@ def test_the_engine_serves_an_interactive_request_before_an_earlier_batch_one(
         done.append(name)
         return reply
 
-    async def engine_at(running: int, waiting: int) -> None:
-        for _ in range(3000):  # bounded; the engine's state is what is waited on
-            stats = await asyncio.to_thread(emulator_stats, gateway_engine)
-            if (stats["running"], stats["waiting"]) == (running, waiting):
-                return
-            await asyncio.sleep(0.01)
-        pytest.fail(f"the engine never had {running} running and {waiting} waiting")
-
     async def scenario() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=gateway.url, timeout=120) as client:
             held = asyncio.ensure_future(ask(client, "held", interactive, 150))
-            await engine_at(1, 0)
+            await engine_at(gateway_engine, 1, 0)
             late = asyncio.ensure_future(ask(client, "batch", batch, 4))
-            await engine_at(1, 1)
+            await engine_at(gateway_engine, 1, 1)
             urgent = asyncio.ensure_future(ask(client, "interactive", interactive, 4))
-            await engine_at(1, 2)
+            await engine_at(gateway_engine, 1, 2)
             return list(await asyncio.gather(held, late, urgent))
 
     replies = asyncio.run(scenario())

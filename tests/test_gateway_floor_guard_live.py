@@ -21,19 +21,13 @@ import pytest
 
 from appliance.config import Config
 from tests.conftest import make_config, wait_for
-from tests.gateway_rig import LiveGateway, auth, chat_body, start_engine, stop_engine
-from tests.test_fake_sglang import Emulator
-from tests.test_gateway_slo_live import class_key
+from tests.gateway_rig import LiveGateway, auth, chat_body
+
+# the engine at 50 tokens/s a stream, and a key of a class
+from tests.test_gateway_slo_live import class_key, gateway_engine  # noqa: F401
 
 CLASSES = {"interactive": {"decode_floor_tps": 1000},  # faster than the engine streams
            "batch": {"deadline_seconds": 120, "share": 0.5}}
-
-
-@pytest.fixture(scope="module")
-def gateway_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
-    emu = start_engine(tmp_path_factory, token_seconds=0.02)  # 50 tokens/s a stream
-    yield emu
-    stop_engine(emu)
 
 
 @pytest.fixture

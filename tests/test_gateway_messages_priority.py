@@ -28,8 +28,16 @@ from appliance.config import Config
 from appliance.engine.args import Origin, build_launch_spec, inputs_from_config
 from appliance.gateway.priority import HEADER_OVERRIDES_ENV
 from tests.conftest import make_config
-from tests.gateway_rig import MODEL, LiveGateway, auth, chat_body, emulator_stats, stop_engine
-from tests.test_fake_sglang import Emulator, small_model
+from tests.gateway_rig import (
+    MODEL,
+    LiveGateway,
+    auth,
+    chat_body,
+    engine_at,
+    start_engine,
+    stop_engine,
+)
+from tests.test_fake_sglang import Emulator
 from tests.test_gateway_slo_live import class_key
 
 # The gateway admits three at once; batch is a class of its own (priority 0, below
@@ -56,17 +64,14 @@ def honoured(request: pytest.FixtureRequest) -> bool:
 @pytest.fixture(scope="module")
 def gateway_engine(honoured: bool,
                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
-    root = tmp_path_factory.mktemp("engine")
-    flags, env = product_launch(make_config(root / "appliance", **GATEWAY_ENV))
+    flags, env = product_launch(make_config(tmp_path_factory.mktemp("spec") / "appliance",
+                                            **GATEWAY_ENV))
     assert "--enable-priority-scheduling" in flags
     assert env.get(HEADER_OVERRIDES_ENV) == "1"
     if not honoured:
         env.pop(HEADER_OVERRIDES_ENV)
-    emu = Emulator(root, [str(small_model(root / "model", 1 << 20)), "--served-model-name",
-                          MODEL, "--tp-size", "8", "--dcp-size", "8", *flags,
-                          "--max-running-requests", "1"],
-                   FAKE_SGLANG_FAULT="slow_tokens=0.02", **env)
-    emu.wait_ready()
+    emu = start_engine(tmp_path_factory, *flags, "--max-running-requests", "1",
+                       token_seconds=0.02, **env)
     yield emu
     stop_engine(emu)
 
@@ -95,28 +100,18 @@ def test_a_messages_request_is_scheduled_by_its_class_priority(
         done.append(name)
         return reply
 
-    async def engine_at(running: int, waiting: int) -> None:
-        for _ in range(3000):  # bounded; the engine's state is what is waited on
-            stats = await asyncio.to_thread(emulator_stats, gateway_engine)
-            if (stats["running"], stats["waiting"]) == (running, waiting):
-                return
-            if done:
-                pytest.fail(f"{done} finished before the engine's queue was set up")
-            await asyncio.sleep(0.01)
-        pytest.fail(f"the engine never had {running} running and {waiting} waiting")
-
     async def scenario() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=gateway.url, timeout=120) as client:
             held = asyncio.ensure_future(ask(
                 client, "held", interactive, "/v1/chat/completions",
                 chat_body("held", max_tokens=150, ignore_eos=True)))
-            await engine_at(1, 0)
+            await engine_at(gateway_engine, 1, 0, done)
             late = asyncio.ensure_future(ask(client, "batch", batch, "/v1/messages",
                                              messages_body("batch", 4)))
-            await engine_at(1, 1)
+            await engine_at(gateway_engine, 1, 1, done)
             urgent = asyncio.ensure_future(ask(client, "interactive", interactive,
                                                "/v1/messages", messages_body("urgent", 4)))
-            await engine_at(1, 2)
+            await engine_at(gateway_engine, 1, 2, done)
             return list(await asyncio.gather(held, late, urgent))
 
     replies = asyncio.run(scenario())
