@@ -34,6 +34,7 @@ from appliance.cell.published import read_cell_published
 from appliance.config import engine_url
 from appliance.db.database import Database
 from appliance.engine.args import model_dir
+from appliance.secrets import engine_api_key
 from appliance.testing.fake_gpus import FakeGpus
 from tests.conftest import Console, free_port, wait_for
 from tests.gateway_rig import LiveGateway, make_key
@@ -197,6 +198,19 @@ def test_two_boxes_serve_one_endpoint_through_the_real_router(cell: Cell) -> Non
         rows = gateway.usage_rows(2)
         assert [(r[1], r[4]) for r in rows[-2:]] == [("chat", "ok"), ("chat", "ok")]
         assert rows[-1][6] == 3  # the decode box's completion tokens, as the user was told
+        # The real router has no Anthropic Messages route (why the gateway answers it
+        # itself, Route.unserved): asked directly, with the key it demands, it says 404.
+        messages = {"model": "kimi-k3", "max_tokens": 3,
+                    "messages": [{"role": "user", "content": "hi"}]}
+        router_key = engine_api_key(head.runtime.state_dir)
+        direct = httpx.post(f"{body['cell']['router']}/v1/messages", json=messages, timeout=30,
+                            headers={"Authorization": f"Bearer {router_key}"})
+        assert direct.status_code == 404, direct.text
+        through = httpx.post(f"{gateway.url}/v1/messages", json=messages, timeout=30,
+                             headers={"x-api-key": key, "anthropic-version": "2023-06-01"})
+        assert through.status_code == 404
+        assert through.json()["error"]["type"] == "not_found_error"
+        assert "/v1/chat/completions" in through.json()["error"]["message"]
 
         # The decode box's engine dies (kill -9) under a stream and a user's requests: the
         # stream ends with an error the SDK raises, and every refusal is the gateway's own.
